@@ -1,0 +1,3 @@
+"""skyrl-sglang: SGLang inference engine."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,43 @@
+"""The op ledger: which implementation a runtime installed at each (op, site), and which ran."""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import attrs
+
+from skyrl_core.plugins.records import OpImplSpec
+
+
+@attrs.define
+class OpLedger:
+    """Declared implementations per (op, site) and counts of calls observed per (op, site, impl).
+
+    ``declared`` feeds the execution contract; ``observed`` feeds the fingerprint check that what
+    ran is what was declared.
+    """
+
+    role: str
+    declared: dict[tuple[str, str], OpImplSpec] = attrs.field(factory=dict)
+    observed: collections.Counter = attrs.field(factory=collections.Counter)
+
+    def declare(self, op: str, site: str, impl: OpImplSpec) -> None:
+        self.declared[(op, site)] = impl
+
+    def impl(self, op: str, site: str) -> OpImplSpec | None:
+        return self.declared.get((op, site))
+
+    def observe(self, op: str, site: str, impl_name: str) -> None:
+        self.observed[(op, site, impl_name)] += 1
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-able view: ``{"op@site": {"impl", "version", "constants"}}``, sorted."""
+        out: dict[str, Any] = {}
+        for (op, site), impl in sorted(self.declared.items()):
+            out[f"{op}@{site}"] = {
+                "impl": impl.name,
+                "version": impl.version,
+                "constants": {k: v for k, v in impl.constants},
+            }
+        return out

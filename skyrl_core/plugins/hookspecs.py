@@ -1,0 +1,215 @@
+"""Every hook skyrl calls. Each docstring is the contract an implementation must keep.
+
+Plugins implement hooks with ``skyrl_core.plugins.hookimpl`` in a module named by an entry point of
+the group ``skyrl``::
+
+    # pyproject.toml
+    [project.entry-points.skyrl]
+    myplugin = "my_package.plugin"
+
+A hook implementation whose name is not below fails loading (``check_pending``): a typo is loud.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+from skyrl_core.plugins import hookspec
+
+if TYPE_CHECKING:  # imported for annotations only: registration must stay cheap
+    import click
+
+    from skyrl_core.plugins.records import (
+        AdvantageEstimatorSpec,
+        ConfigSectionSpec,
+        EnvironmentSpec,
+        InferenceEngineSpec,
+        OpImplSpec,
+        PolicyLossSpec,
+        TrainingBackendSpec,
+    )
+
+
+# --- registration -------------------------------------------------------------------------------
+
+
+@hookspec
+def skyrl_register_training_backends(register: Callable[[TrainingBackendSpec], None]) -> None:
+    """Register training backends by calling ``register(TrainingBackendSpec(...))`` once per backend.
+
+    Must not import torch.distributed, megatron or any engine: put them behind ``factory``.
+    Two plugins registering one name is an error naming both distributions.
+
+    Example::
+
+        @hookimpl
+        def skyrl_register_training_backends(register):
+            register(TrainingBackendSpec(name="fsdp", factory="skyrl_fsdp.backend:FSDPBackend",
+                                         options="skyrl_fsdp.options:FSDPOptions",
+                                         description="FSDP2 over gloo (CPU) or nccl (GPU)"))
+    """
+
+
+@hookspec
+def skyrl_register_inference_engines(register: Callable[[InferenceEngineSpec], None]) -> None:
+    """Register inference engines by calling ``register(InferenceEngineSpec(...))``.
+
+    The factory is called as ``factory(model, options, seed=seed)`` and returns an object satisfying
+    ``skyrl_core.interfaces.InferenceEngine``. Registration must not import the engine library
+    (vllm, sglang): a machine without it must still list and validate configs.
+
+    Example::
+
+        @hookimpl
+        def skyrl_register_inference_engines(register):
+            register(InferenceEngineSpec(name="vllm", factory="skyrl_vllm.engine:VLLMEngine",
+                                         options="skyrl_vllm.options:VLLMOptions"))
+    """
+
+
+@hookspec
+def skyrl_register_losses(
+    register: Callable[[PolicyLossSpec | AdvantageEstimatorSpec], None],
+) -> None:
+    """Register policy losses (``PolicyLossSpec``) and advantage estimators (``AdvantageEstimatorSpec``).
+
+    ``factory(options)`` returns the callable described in ``skyrl_core.interfaces``. Names are
+    what users write in ``algorithm.policy_loss.name`` / ``algorithm.advantage.name``.
+
+    Example::
+
+        @hookimpl
+        def skyrl_register_losses(register):
+            register(PolicyLossSpec(name="my_loss", factory="my_pkg.loss:make",
+                                    options="my_pkg.loss:MyLossOptions"))
+    """
+
+
+@hookspec
+def skyrl_register_environments(register: Callable[[EnvironmentSpec], None]) -> None:
+    """Register environments by calling ``register(EnvironmentSpec(...))``.
+
+    ``factory(**options)`` returns a ``skyrl_core.interfaces.Environment``. A package that only
+    ships environments may instead use the lighter entry-point group ``skyrl.environments``
+    (``name = "module:Class"``), loaded with stevedore.
+
+    Example::
+
+        @hookimpl
+        def skyrl_register_environments(register):
+            register(EnvironmentSpec(name="gsm8k", factory="skyrl_envs.math_env:GSM8KEnv"))
+    """
+
+
+@hookspec
+def skyrl_register_ops(register: Callable[[OpImplSpec], None]) -> None:
+    """Register op implementations (``OpImplSpec``) that ``skyrl_install_op`` may select.
+
+    ``op`` must be a name in ``skyrl_core.ops.OPS``; ``name`` is the implementation id, unique
+    across plugins. The core registers the default (stock PyTorch) implementation of every op.
+    """
+
+
+@hookspec
+def skyrl_register_config_sections(register: Callable[[ConfigSectionSpec], None]) -> None:
+    """Add a top-level config section owned by the plugin, e.g. ``isoexec: {enabled: true}``.
+
+    ``options`` is the attrs class the section is structured into (validated like the rest of the
+    config). The section is optional in a config; when absent its defaults apply.
+    """
+
+
+# --- interception and lifecycle ------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def skyrl_install_op(op: str, site: str, impl: OpImplSpec) -> OpImplSpec | None:
+    """Decide which implementation of ``op`` is installed at ``site``; return it.
+
+    Called by ``skyrl_core.ops.install_op`` for every op a runtime installs (``site`` is one of
+    ``skyrl_core.ops.SITES``), with ``impl`` the runtime's default. The core's own implementation
+    returns ``impl`` unchanged. A plugin that must control numerics (IsoExec) implements it with
+    ``wrapper=True`` and returns another ``OpImplSpec``; the result is recorded in the op ledger,
+    from which the execution contract is built. Must be cheap and deterministic.
+
+    Example::
+
+        @hookimpl(wrapper=True)
+        def skyrl_install_op(op, site, impl):
+            default = yield
+            return CANONICAL.get(op, default) if enabled() else default
+    """
+
+
+@hookspec
+def skyrl_execution_contract(role: str, ledger: Any) -> dict[str, Any] | None:
+    """Contribute to the execution contract of a runtime (``role`` is ``"trainer"`` or ``"engine"``).
+
+    ``ledger`` is the ``skyrl_core.ops.OpLedger`` of that runtime. Return a JSON-able dict (merged
+    under the plugin's name) or None. Contributions are hashed; a trainer and an engine whose hashes
+    differ refuse to sync weights (see ``skyrl_verify_handshake``).
+    """
+
+
+@hookspec
+def skyrl_verify_handshake(trainer_contract: dict[str, Any], engine_contract: dict[str, Any]) -> list[str] | None:
+    """Compare the trainer's and engine's contracts before every weight sync.
+
+    Return a list of human-readable mismatches (e.g. ``"linear @ engine_decode: ..."``); any
+    non-empty list from any plugin makes the trainer stop with all of them printed.
+    """
+
+
+@hookspec
+def skyrl_worker_init(role: str) -> None:
+    """A runtime process of ``role`` (``"trainer"``, ``"engine"``) has started; install per-process state.
+
+    Runs in every worker process, including processes spawned by vLLM and SGLang (through their own
+    plugin groups, see skyrl-vllm and skyrl-sglang). Must be idempotent and cheap when the plugin
+    is not enabled.
+    """
+
+
+# --- run events, for loggers and callbacks ------------------------------------------------------
+
+
+@hookspec
+def skyrl_on_run_start(config: Any, run_dir: str) -> None:
+    """The trainer is about to run ``config``; its outputs go to ``run_dir``."""
+
+
+@hookspec
+def skyrl_on_step_end(step: int, metrics: dict[str, float]) -> None:
+    """A training step finished with ``metrics`` (the same dict written to metrics.jsonl)."""
+
+
+@hookspec
+def skyrl_on_eval_end(step: int, metrics: dict[str, float]) -> None:
+    """An evaluation at ``step`` finished with ``metrics``."""
+
+
+@hookspec
+def skyrl_on_checkpoint(step: int, path: str) -> None:
+    """A checkpoint for ``step`` was written completely to ``path``."""
+
+
+@hookspec
+def skyrl_on_run_end(metrics: dict[str, float], run_dir: str) -> None:
+    """The run ended normally with its final ``metrics``."""
+
+
+# --- CLI -------------------------------------------------------------------------------------------
+
+
+@hookspec
+def skyrl_add_cli_commands(cli: click.Group) -> None:
+    """Add subcommands to the ``skyrl`` CLI (``cli.add_command(group)``).
+
+    Keep imports inside the command functions so that ``skyrl --help`` stays fast.
+
+    Example::
+
+        @hookimpl
+        def skyrl_add_cli_commands(cli):
+            cli.add_command(isoexec_group)   # skyrl isoexec ...
+    """

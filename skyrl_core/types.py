@@ -1,0 +1,126 @@
+"""Data types that cross plugin boundaries. Plain attrs records; tensors are torch tensors.
+
+This module never imports torch at import time (type hints only), so it is cheap to import.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import attrs
+
+if TYPE_CHECKING:
+    import torch
+
+# --- generation --------------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class SamplingParams:
+    """How to sample one request. ``top_k=0`` and ``top_p=1.0`` disable those filters."""
+
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    n: int = 1
+    seed: int | None = None
+    stop: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+
+
+@attrs.frozen(kw_only=True)
+class GenerationRequest:
+    """One prompt (as token ids) to sample ``sampling.n`` continuations of."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...] = attrs.field(converter=tuple)
+    sampling: SamplingParams = SamplingParams()
+
+
+@attrs.frozen(kw_only=True)
+class GeneratedSample:
+    """One sampled continuation.
+
+    ``logprobs[i]`` is the log-probability of ``token_ids[i]`` under the engine's model *before*
+    temperature and filtering (the distribution the trainer scores). ``stop_reason`` is ``"stop"``
+    (a stop string or token, or EOS; ``token_ids`` keeps the stop token, not text after a stop
+    string) or ``"length"`` (``max_tokens`` reached).
+    """
+
+    request_id: str
+    sample_index: int
+    prompt_token_ids: tuple[int, ...] = attrs.field(converter=tuple)
+    token_ids: tuple[int, ...] = attrs.field(converter=tuple)
+    logprobs: tuple[float, ...] = attrs.field(converter=tuple)
+    text: str
+    stop_reason: str
+
+
+# --- environments ------------------------------------------------------------------------------
+
+Message = dict[str, Any]  # {"role": "user" | "assistant" | "system" | "tool", "content": str}
+
+
+class StepResult(NamedTuple):
+    """What ``Environment.step`` returns; unpacks as ``obs, reward, done, info``.
+
+    ``observation`` is the list of messages to append to the conversation (empty when ``done``).
+    """
+
+    observation: list[Message]
+    reward: float
+    done: bool
+    info: dict[str, Any]
+
+
+# --- training ----------------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class TrainingBatch:
+    """A batch of sequences in the layout every backend accepts.
+
+    ``input_ids`` is ``[B, P + R]``: prompts left-padded to ``P``, responses right-padded to ``R``;
+    ``attention_mask`` marks real tokens. Every ``[B, R]`` tensor is aligned with the response
+    tokens ``input_ids[:, P:]``. ``loss_mask`` is 1.0 on trained tokens (0 on padding and on
+    environment-written tokens). ``group_ids`` groups samples of one prompt (length ``B``).
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    group_ids: tuple[Any, ...] = attrs.field(default=(), converter=tuple)
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    old_logprobs: torch.Tensor | None = None
+    rollout_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    token_weights: torch.Tensor | None = None
+
+    @property
+    def response_len(self) -> int:
+        return int(self.loss_mask.shape[1])
+
+    @property
+    def prompt_len(self) -> int:
+        return int(self.input_ids.shape[1]) - self.response_len
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def select(self, index: Any) -> TrainingBatch:
+        """Rows ``index`` (a slice, list or tensor of row indices) of every tensor field."""
+        changes: dict[str, Any] = {}
+        for field in attrs.fields(TrainingBatch):
+            value = getattr(self, field.name)
+            if field.name == "group_ids":
+                idx = range(len(self))[index] if isinstance(index, slice) else [int(i) for i in index]
+                changes["group_ids"] = tuple(value[i] for i in idx) if value else ()
+            elif value is not None:
+                changes[field.name] = value[index]
+        return TrainingBatch(**changes)
+
+    def split(self, micro_batch_size: int) -> list[TrainingBatch]:
+        return [self.select(slice(i, i + micro_batch_size)) for i in range(0, len(self), micro_batch_size)]
