@@ -1,0 +1,3 @@
+from skyrl_core.cli.main import main
+
+main()

@@ -1,0 +1,285 @@
+"""Options of the built-in policy losses and advantage estimators.
+
+Frozen attrs classes, one per algorithm, structured from ``algorithm.policy_loss.options`` /
+``algorithm.advantage.options`` (or from ``skyrl_core.load_policy_loss(name, **options)``).
+This module never imports torch: validating a config must stay cheap.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+LOSS_REDUCTIONS: tuple[str, ...] = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm", "prompt_mean")
+DIVERGENCES: tuple[str, ...] = ("binary_tv", "binary_kl")
+IS_LEVELS: tuple[str, ...] = ("token", "sequence")
+
+
+def _help(text: str) -> dict[str, Any]:
+    return {"help": text}
+
+
+def _name(instance: Any, attribute: attrs.Attribute) -> str:
+    return f"{type(instance).__name__}.{attribute.name}"
+
+
+def _number(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{_name(instance, attribute)} must be a number, got {value!r}")
+
+
+def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    _number(instance, attribute, value)
+    if not value > 0:
+        raise ValueError(f"{_name(instance, attribute)} must be > 0, got {value!r}")
+
+
+def _non_negative(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    _number(instance, attribute, value)
+    if not value >= 0:
+        raise ValueError(f"{_name(instance, attribute)} must be >= 0, got {value!r}")
+
+
+def _fraction(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    """In (0, 1]."""
+    _number(instance, attribute, value)
+    if not 0 < value <= 1:
+        raise ValueError(f"{_name(instance, attribute)} must be in (0, 1], got {value!r}")
+
+
+def _greater_than_one(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    _number(instance, attribute, value)
+    if not value > 1:
+        raise ValueError(f"{_name(instance, attribute)} must be > 1, got {value!r}")
+
+
+def _optional_positive_int(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{_name(instance, attribute)} must be a positive integer or null, got {value!r}")
+
+
+def _one_of(*allowed: str):
+    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if value not in allowed:
+            raise ValueError(f"{_name(instance, attribute)} must be one of {', '.join(allowed)}; got {value!r}")
+
+    check.allowed = allowed  # type: ignore[attr-defined]
+    return check
+
+
+def _reduction_field(default: str = "token_mean") -> Any:
+    return attrs.field(
+        default=default,
+        validator=_one_of(*LOSS_REDUCTIONS),
+        metadata=_help("how per-token losses are reduced when the trainer passes no token_weights"),
+    )
+
+
+def _norm_len_field() -> Any:
+    return attrs.field(
+        default=None,
+        validator=_optional_positive_int,
+        metadata=_help("constant length for seq_mean_token_sum_norm (default: the batch's response length)"),
+    )
+
+
+def _eps_low_field(default: float) -> Any:
+    return attrs.field(default=default, validator=_fraction, metadata=_help("lower clip: ratio >= 1 - eps_low"))
+
+
+def _eps_high_field(default: float) -> Any:
+    return attrs.field(default=default, validator=_positive, metadata=_help("upper clip: ratio <= 1 + eps_high"))
+
+
+# --- policy losses -----------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class PPOOptions:
+    """PPO clipped surrogate with separate low/high clip (``eps_high > eps_low`` is DAPO's clip-higher)."""
+
+    eps_low: float = _eps_low_field(0.2)
+    eps_high: float = _eps_high_field(0.2)
+    loss_reduction: str = _reduction_field()
+    norm_len: int | None = _norm_len_field()
+
+
+@attrs.frozen(kw_only=True)
+class DualClipOptions:
+    """PPO clip plus a lower bound ``-clip_ratio_c * A`` on the loss of negative-advantage tokens."""
+
+    eps_low: float = _eps_low_field(0.2)
+    eps_high: float = _eps_high_field(0.2)
+    clip_ratio_c: float = attrs.field(
+        default=3.0, validator=_greater_than_one, metadata=_help("dual-clip constant c (> 1)")
+    )
+    loss_reduction: str = _reduction_field()
+    norm_len: int | None = _norm_len_field()
+
+
+@attrs.frozen(kw_only=True)
+class GSPOOptions:
+    """Sequence-level ratio (geometric mean of token ratios) clipped per sequence."""
+
+    eps_low: float = _eps_low_field(3e-4)
+    eps_high: float = _eps_high_field(4e-4)
+    loss_reduction: str = _reduction_field("sequence_mean")
+    norm_len: int | None = _norm_len_field()
+
+
+@attrs.frozen(kw_only=True)
+class CISPOOptions:
+    """REINFORCE weighted by a clipped, stop-gradient importance ratio (no lower bound by default)."""
+
+    eps_low: float = attrs.field(
+        default=1.0, validator=_fraction, metadata=_help("lower clip of the IS weight (1.0: no lower bound)")
+    )
+    eps_high: float = _eps_high_field(0.28)
+    loss_reduction: str = _reduction_field()
+    norm_len: int | None = _norm_len_field()
+
+
+@attrs.frozen(kw_only=True)
+class SAPOOptions:
+    """Soft sigmoid gate ``4/tau * sigmoid(tau * (ratio - 1))`` instead of a hard clip."""
+
+    tau_pos: float = attrs.field(default=1.0, validator=_positive, metadata=_help("gate temperature for A > 0"))
+    tau_neg: float = attrs.field(default=1.05, validator=_positive, metadata=_help("gate temperature for A <= 0"))
+    loss_reduction: str = _reduction_field()
+    norm_len: int | None = _norm_len_field()
+
+
+@attrs.frozen(kw_only=True)
+class ClipCovOptions:
+    """Policy gradient that drops a random few tokens whose covariance(logp, A) lies in a band."""
+
+    clip_ratio: float = attrs.field(
+        default=2e-4, validator=_fraction, metadata=_help("fraction of trained tokens to detach")
+    )
+    cov_low: float = attrs.field(default=1.0, validator=_number, metadata=_help("lower covariance bound of the band"))
+    cov_high: float = attrs.field(default=5.0, validator=_number, metadata=_help("upper covariance bound of the band"))
+    seed: int = attrs.field(default=0, metadata=_help("seed of the random token choice"))
+    loss_reduction: str = _reduction_field()
+    norm_len: int | None = _norm_len_field()
+
+    def __attrs_post_init__(self) -> None:
+        if self.cov_low > self.cov_high:
+            raise ValueError(
+                f"ClipCovOptions.cov_low must be <= cov_high, got cov_low={self.cov_low!r} cov_high={self.cov_high!r}"
+            )
+
+
+@attrs.frozen(kw_only=True)
+class KLCovOptions:
+    """Policy gradient plus a ``|logp - old_logp|`` penalty on the tokens of highest covariance."""
+
+    kl_ratio: float = attrs.field(
+        default=2e-3, validator=_fraction, metadata=_help("fraction of trained tokens that get the penalty")
+    )
+    kl_coef: float = attrs.field(default=1.0, validator=_non_negative, metadata=_help("penalty coefficient"))
+    loss_reduction: str = _reduction_field()
+    norm_len: int | None = _norm_len_field()
+
+
+@attrs.frozen(kw_only=True)
+class RolloutISOptions:
+    """PPO clip times a truncated importance weight ``min(pi_old / pi_rollout, cap)``."""
+
+    eps_low: float = _eps_low_field(0.2)
+    eps_high: float = _eps_high_field(0.2)
+    level: str = attrs.field(
+        default="token", validator=_one_of(*IS_LEVELS), metadata=_help("IS weight per token or per sequence")
+    )
+    cap: float = attrs.field(default=2.0, validator=_positive, metadata=_help("truncation of the IS weight"))
+    loss_reduction: str = _reduction_field()
+    norm_len: int | None = _norm_len_field()
+
+
+@attrs.frozen(kw_only=True)
+class DPPOOptions:
+    """Trust region from a binary divergence between the sampled token's old and new probability."""
+
+    divergence: str = attrs.field(
+        default="binary_tv", validator=_one_of(*DIVERGENCES), metadata=_help("binary_tv or binary_kl")
+    )
+    delta_low: float = attrs.field(
+        default=0.15, validator=_positive, metadata=_help("threshold when the token's probability went down")
+    )
+    delta_high: float = attrs.field(
+        default=0.15, validator=_positive, metadata=_help("threshold when the token's probability went up")
+    )
+    clip_ratio_c: float = attrs.field(
+        default=20.0, validator=_positive, metadata=_help("upper bound of the (stop-gradient) ratio weight")
+    )
+    loss_reduction: str = _reduction_field()
+    norm_len: int | None = _norm_len_field()
+
+
+@attrs.frozen(kw_only=True)
+class CrossEntropyOptions:
+    """Supervised negative log-likelihood of the trained tokens (SFT)."""
+
+    loss_reduction: str = _reduction_field()
+    norm_len: int | None = _norm_len_field()
+
+
+@attrs.frozen(kw_only=True)
+class ImportanceSamplingOptions:
+    """Tinker's ``importance_sampling``: ``-(pi / pi_sampler) * A``, no clip."""
+
+    loss_reduction: str = _reduction_field()
+    norm_len: int | None = _norm_len_field()
+
+
+# --- advantage estimators ----------------------------------------------------------------------
+
+
+def _gamma_field() -> Any:
+    return attrs.field(default=1.0, validator=_fraction, metadata=_help("discount factor in (0, 1]"))
+
+
+def _whiten_field(default: bool = False) -> Any:
+    return attrs.field(default=default, metadata=_help("whiten advantages over the whole batch's trained tokens"))
+
+
+@attrs.frozen(kw_only=True)
+class GAEOptions:
+    """Generalized advantage estimation from a critic's values."""
+
+    gamma: float = _gamma_field()
+    lam: float = attrs.field(default=1.0, validator=_fraction, metadata=_help("GAE lambda in (0, 1]"))
+    whiten: bool = _whiten_field(True)
+
+
+@attrs.frozen(kw_only=True)
+class GRPOOptions:
+    """Group-relative advantage; ``norm_by_std: false`` is Dr. GRPO."""
+
+    norm_by_std: bool = attrs.field(default=True, metadata=_help("divide by the group's std (false: Dr. GRPO)"))
+    epsilon: float = attrs.field(default=1e-6, validator=_positive, metadata=_help("added to the std"))
+    whiten: bool = _whiten_field()
+
+
+@attrs.frozen(kw_only=True)
+class RLOOOptions:
+    """Leave-one-out baseline within each group."""
+
+    whiten: bool = _whiten_field()
+
+
+@attrs.frozen(kw_only=True)
+class ReinforcePlusPlusOptions:
+    """Discounted returns whitened over the whole batch."""
+
+    gamma: float = _gamma_field()
+    epsilon: float = attrs.field(default=1e-8, validator=_positive, metadata=_help("added to the batch std"))
+
+
+@attrs.frozen(kw_only=True)
+class MaxRLOptions:
+    """Group advantage normalised by the group's mean reward (MaxRL)."""
+
+    whiten: bool = _whiten_field()

@@ -1,0 +1,139 @@
+"""The ``skyrl`` command. Plugins add subcommands through ``skyrl_add_cli_commands``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+
+from skyrl_core import __version__
+
+EXIT_CONFIG_ERROR = 2
+
+
+def _version_text() -> str:
+    from skyrl_core.plugins.manager import get_plugin_manager
+
+    infos = [i for i in get_plugin_manager().infos.values() if i.kind == "plugin"]
+    pairs = " ".join(f"{i.distribution}-{i.version}" for i in sorted(infos, key=lambda i: i.distribution))
+    return f"skyrl-core {__version__}\nplugins: {pairs or '(none)'}"
+
+
+def _print_version(ctx: click.Context, _param: Any, value: bool) -> None:
+    if value and not ctx.resilient_parsing:
+        click.echo(_version_text())
+        ctx.exit(0)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_print_version,
+              help="Show the core version and installed plugins.")
+def cli() -> None:
+    """skyrl: reinforcement learning for LLMs, a thin core plus plugins."""
+
+
+@cli.group()
+def plugins() -> None:
+    """Inspect installed plugins."""
+
+
+@plugins.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def plugins_list(as_json: bool) -> None:
+    """Every plugin: name, version, kind, what it provides, and whether it loads."""
+    from skyrl_core.plugins.manager import get_plugin_manager
+
+    rows = get_plugin_manager().listing()
+    if as_json:
+        click.echo(json.dumps([r.as_dict() for r in rows], indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="skyrl plugins")
+    for col in ("name", "version", "kind", "provides", "status"):
+        table.add_column(col, overflow="fold")
+    for r in rows:
+        status = "[green]ok[/]" if r.status == "ok" else f"[red]{r.status}[/]: {r.error}"
+        table.add_row(r.name, f"{r.distribution} {r.version}", r.kind, _group_provides(r.provides), status)
+    Console().print(table)
+
+
+def _group_provides(provides: list[str]) -> str:
+    by_kind: dict[str, list[str]] = {}
+    for item in provides:
+        kind, _, name = item.partition(":")
+        by_kind.setdefault(kind, []).append(name)
+    return "\n".join(f"{kind}: {', '.join(sorted(names))}" for kind, names in sorted(by_kind.items())) or "-"
+
+
+@cli.group()
+def config() -> None:
+    """Validate and inspect configs."""
+
+
+@config.command("show")
+@click.argument("config_path", metavar="CONFIG")
+@click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of YAML.")
+def config_show(config_path: str, overrides: tuple[str, ...], as_json: bool) -> None:
+    """Validate CONFIG (plus dotted overrides) and print the resolved config."""
+    cfg = load_config_or_exit(config_path, list(overrides))
+    from skyrl_core.config.loader import unstructure
+
+    data = unstructure(cfg)
+    data.update(data.pop("plugins", {}))
+    if as_json:
+        click.echo(json.dumps(data, indent=2, sort_keys=True))
+    else:
+        import yaml
+
+        click.echo(yaml.safe_dump(data, sort_keys=False), nl=False)
+
+
+@cli.command()
+@click.argument("config_path", metavar="CONFIG")
+@click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
+def train(config_path: str, overrides: tuple[str, ...]) -> None:
+    """Run RL training from CONFIG (plus dotted overrides such as trainer.lr=1e-6 resume=DIR)."""
+    overrides_list = list(overrides)
+    # `resume=DIR` is shorthand for `trainer.resume=DIR`.
+    overrides_list = [f"trainer.{o}" if o.startswith("resume=") else o for o in overrides_list]
+    cfg = load_config_or_exit(config_path, overrides_list)
+    from skyrl_core.trainer.rl import train as run_training
+
+    run_training(cfg)
+
+
+def load_config_or_exit(path: str, overrides: list[str]):
+    from skyrl_core.config.errors import ConfigError
+    from skyrl_core.config.loader import load_config
+
+    try:
+        return load_config(path, overrides)
+    except ConfigError as exc:
+        click.echo(exc.render(), err=True)
+        sys.exit(EXIT_CONFIG_ERROR)
+
+
+def build_cli() -> click.Group:
+    """The CLI with plugin subcommands added (a broken plugin's commands are skipped, not fatal)."""
+    from skyrl_core.plugins.manager import get_plugin_manager
+
+    pm = get_plugin_manager()
+    for impl in pm.hook.skyrl_add_cli_commands.get_hookimpls():
+        try:
+            impl.function(cli=cli)
+        except Exception as exc:  # the core's commands must keep working
+            click.echo(f"warning: plugin {impl.plugin_name!r} failed to add commands: {exc}", err=True)
+    return cli
+
+
+def main(argv: list[str] | None = None) -> None:
+    build_cli()(args=argv, prog_name="skyrl")
+
+
+if __name__ == "__main__":
+    main()

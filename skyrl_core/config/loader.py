@@ -1,0 +1,331 @@
+"""YAML + dotted overrides -> a validated ``Config``.
+
+Structuring walks the attrs schema itself (so every problem knows its key path and can suggest a
+close key) and hands leaf values to one cattrs converter with strict scalar hooks. ``{name,
+options}`` selections are checked against the plugin registry, then their ``options`` are structured
+with the selected plugin's options class. All problems are collected and raised together as one
+``ConfigError`` before anything runs.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+import typing
+from typing import Any, Mapping
+
+import attrs
+import cattrs
+import yaml
+
+from skyrl_core.config.errors import ConfigError, ConfigIssue, show, suggest
+from skyrl_core.config.schema import Config, Selection
+
+# Which registry kind each selectable section chooses from.
+SELECTIONS: dict[str, str] = {
+    "engine": "inference_engine",
+    "backend": "training_backend",
+    "environment": "environment",
+    "algorithm.policy_loss": "policy_loss",
+    "algorithm.advantage": "advantage_estimator",
+}
+
+
+def _strict_converter() -> cattrs.Converter:
+    conv = cattrs.Converter(forbid_extra_keys=True)
+
+    def to_bool(value: Any, _: type) -> bool:
+        if isinstance(value, bool):
+            return value
+        raise ValueError("expected true or false")
+
+    def to_int(value: Any, _: type) -> int:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ValueError("expected an integer")
+        try:
+            number = float(value) if isinstance(value, str) else value
+            if isinstance(number, float) and not number.is_integer():
+                raise ValueError
+            return int(number)
+        except (ValueError, OverflowError):
+            raise ValueError("expected an integer") from None
+
+    def to_float(value: Any, _: type) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ValueError("expected a number")
+        try:
+            return float(value)
+        except ValueError:
+            raise ValueError("expected a number") from None
+
+    def to_str(value: Any, _: type) -> str:
+        if not isinstance(value, str):
+            raise ValueError("expected a string")
+        return value
+
+    conv.register_structure_hook(bool, to_bool)
+    conv.register_structure_hook(int, to_int)
+    conv.register_structure_hook(float, to_float)
+    conv.register_structure_hook(str, to_str)
+    return conv
+
+
+CONVERTER = _strict_converter()
+
+
+class _Walker:
+    """Structures plain data into attrs classes, collecting ``ConfigIssue``s instead of stopping."""
+
+    def __init__(self, plugin_manager: Any = None) -> None:
+        self.pm = plugin_manager
+        self.issues: list[ConfigIssue] = []
+
+    def fail(self, path: str, message: str, allowed: tuple[str, ...] = (), suggestion: str | None = None) -> None:
+        self.issues.append(ConfigIssue(path, message, allowed, suggestion))
+
+    def attrs_class(self, cls: type, data: Any, path: str, extra_keys: tuple[str, ...] = (), hidden: tuple[str, ...] = ()) -> Any:
+        if data is None:
+            data = {}
+        if not isinstance(data, Mapping):
+            self.fail(path, f"expected a mapping of {cls.__name__} fields, got {show(data)}")
+            return None
+        attrs.resolve_types(cls)
+        fields = {f.name: f for f in attrs.fields(cls) if f.name not in hidden}
+        for key in data:
+            if key not in fields:
+                allowed = tuple(sorted([*fields, *extra_keys]))
+                self.fail(_join(path, str(key)), "unknown key", allowed, suggest(str(key), allowed))
+        kwargs: dict[str, Any] = {}
+        ok = True
+        for name, field in fields.items():
+            if name not in data:
+                if field.default is attrs.NOTHING:
+                    self.fail(_join(path, name), "required key is missing")
+                    ok = False
+                continue
+            before = len(self.issues)
+            value = self.value(field.type, data[name], _join(path, name))
+            if len(self.issues) > before:
+                ok = False
+                continue
+            if field.validator is not None:
+                try:
+                    field.validator(None, field, value)
+                except (ValueError, TypeError) as exc:
+                    allowed = tuple(map(str, getattr(field.validator, "allowed", ())))
+                    self.fail(_join(path, name), f"{show(value)} is invalid: {exc}", allowed, suggest(str(value), allowed) if allowed else None)
+                    ok = False
+                    continue
+            kwargs[name] = value
+        if not ok:
+            return None
+        try:
+            return cls(**kwargs)
+        except (ValueError, TypeError) as exc:
+            self.fail(path, str(exc))
+            return None
+
+    def value(self, tp: Any, data: Any, path: str) -> Any:
+        if tp is Any or tp is None:
+            return data
+        if attrs.has(tp):
+            return self.attrs_class(tp, data, path)
+        origin = typing.get_origin(tp)
+        if origin in (typing.Union, types.UnionType):
+            args = typing.get_args(tp)
+            if data is None and type(None) in args:
+                return None
+            non_none = [a for a in args if a is not type(None)]
+            if len(non_none) == 1:
+                return self.value(non_none[0], data, path)
+        try:
+            return CONVERTER.structure(data, tp)
+        except Exception as exc:
+            self.fail(path, f"{show(data)} is invalid: {_leaf_message(exc)}")
+            return None
+
+    def selection(self, kind: str, data: Any, path: str) -> Selection | None:
+        if isinstance(data, str):  # shorthand: `engine: vllm`
+            data = {"name": data}
+        sel = self.attrs_class(Selection, data, path)
+        if sel is None:
+            return None
+        if self.pm is None:
+            return sel
+        from skyrl_core.plugins.manager import UnknownComponentError
+
+        try:
+            spec = self.pm.spec(kind, sel.name)
+        except UnknownComponentError as exc:
+            title = exc.args[0].split(" is not a registered ", 1)[1].split(";", 1)[0]
+            self.fail(_join(path, "name"), f"{show(sel.name)} is not a registered {title}",
+                      tuple(exc.allowed), suggest(sel.name, exc.allowed))
+            return None
+        options = self.options(spec, sel.options, _join(path, "options"))
+        return None if options is _INVALID else Selection(name=sel.name, options=options)
+
+    def options(self, spec: Any, data: Any, path: str) -> Any:
+        try:
+            cls = spec.load_options_class()
+        except Exception as exc:
+            self.fail(path, f"cannot load the options class {spec.options!r} of {spec.kind_title} {spec.name!r}: {exc}")
+            return _INVALID
+        if cls is None:
+            if data:
+                self.fail(path, f"{spec.kind_title} {spec.name!r} takes no options, got {show(data)}")
+                return _INVALID
+            return None
+        before = len(self.issues)
+        result = self.attrs_class(cls, data, path)
+        return _INVALID if len(self.issues) > before else result
+
+
+_INVALID = object()
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _leaf_message(exc: BaseException) -> str:
+    if isinstance(exc, cattrs.BaseValidationError) and exc.exceptions:
+        return _leaf_message(exc.exceptions[0])
+    return str(exc) or type(exc).__name__
+
+
+# --- public API ------------------------------------------------------------------------------------
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    """Read a YAML config file; a missing or malformed file is a ``ConfigError``."""
+    if not os.path.exists(path):
+        raise ConfigError([ConfigIssue("", f"config file {path!r} does not exist")])
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError([ConfigIssue("", f"{path} is not valid YAML{where}: {getattr(exc, 'problem', exc)}")]) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError([ConfigIssue("", f"{path} must hold a mapping at the top level, got {type(data).__name__}")])
+    return data
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``"trainer.lr=1e-6"`` -> (["trainer", "lr"], 1e-6). Values are YAML (``[a, b]``, ``true``, ``null``)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError([ConfigIssue("", f"override {text!r} must look like key.path=value")])
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """A copy of ``data`` with each dotted override set (creating intermediate mappings)."""
+    import copy
+
+    out = copy.deepcopy(data)
+    for text in overrides:
+        keys, value = parse_override(text)
+        node = out
+        for i, key in enumerate(keys[:-1]):
+            child = node.get(key)
+            if child is None:
+                child = node[key] = {}
+            elif isinstance(child, str) and ".".join(keys[: i + 1]) in SELECTIONS:
+                child = node[key] = {"name": child}
+            elif not isinstance(child, dict):
+                raise ConfigError([ConfigIssue(".".join(keys[: i + 1]), f"override {text!r} goes below a {type(child).__name__} value")])
+            node = child
+        node[keys[-1]] = value
+    return out
+
+
+def structure_config(data: dict[str, Any], *, plugin_manager: Any = None, source: str | None = None) -> Config:
+    """Validate plain data into a ``Config``; every problem is reported at once."""
+    if plugin_manager is None:
+        from skyrl_core.plugins.manager import get_plugin_manager
+
+        plugin_manager = get_plugin_manager()
+    walker = _Walker(plugin_manager)
+    data = dict(data)
+    sections = plugin_manager.registry.entries["config_section"]
+    plugin_sections = {name: data.pop(name) for name in list(data) if name in sections}
+    raw_selections: dict[str, Any] = {}
+    for dotted in SELECTIONS:
+        parent, _, leaf = dotted.rpartition(".")
+        holder = data.get(parent) if parent else data
+        if isinstance(holder, dict) and leaf in holder:
+            holder = dict(holder)
+            raw_selections[dotted] = holder.pop(leaf)
+            if parent:
+                data[parent] = holder
+            else:
+                data = holder
+    base = walker.attrs_class(Config, data, "", extra_keys=tuple(sections), hidden=("plugins",))
+    chosen: dict[str, Selection | None] = {}
+    for dotted, kind in SELECTIONS.items():
+        if dotted in raw_selections:
+            chosen[dotted] = walker.selection(kind, raw_selections[dotted], dotted)
+        else:
+            default = _default_selection(dotted)
+            chosen[dotted] = walker.selection(kind, attrs.asdict(default), dotted)
+    plugin_values: dict[str, Any] = {}
+    for name, spec_owner in sorted(sections.items()):
+        spec = spec_owner[0]
+        result = walker.options(spec, plugin_sections.get(name) or {}, name)
+        if result is not _INVALID:
+            plugin_values[name] = result
+    if walker.issues or base is None:
+        raise ConfigError(walker.issues or [ConfigIssue("", "invalid config")], source)
+    algorithm = attrs.evolve(base.algorithm, policy_loss=chosen["algorithm.policy_loss"], advantage=chosen["algorithm.advantage"])
+    return attrs.evolve(
+        base,
+        engine=chosen["engine"],
+        backend=chosen["backend"],
+        environment=chosen["environment"],
+        algorithm=algorithm,
+        plugins=plugin_values,
+    )
+
+
+def _default_selection(dotted: str) -> Selection:
+    if dotted.startswith("algorithm."):
+        from skyrl_core.config.schema import AlgorithmConfig
+
+        return getattr(AlgorithmConfig(), dotted.split(".", 1)[1])
+    field = attrs.fields_dict(Config)[dotted]
+    return field.default.factory()
+
+
+def load_config(path: str | None, overrides: list[str] | None = None, *, plugin_manager: Any = None) -> Config:
+    """The validated config from a YAML file (or nothing) plus dotted overrides."""
+    data = load_yaml(path) if path else {}
+    data = apply_overrides(data, overrides or [])
+    return structure_config(data, plugin_manager=plugin_manager, source=path)
+
+
+def structure_options(spec: Any, options: Mapping[str, Any], path: str) -> Any:
+    """``options`` structured with ``spec``'s options class (None if it has none); ``ConfigError`` if invalid."""
+    walker = _Walker()
+    result = walker.options(spec, dict(options), path)
+    if walker.issues:
+        raise ConfigError(walker.issues)
+    return result
+
+
+def unstructure(value: Any) -> Any:
+    """Plain data (for YAML/JSON) from a config or any attrs value."""
+    if attrs.has(type(value)):
+        return {f.name: unstructure(getattr(value, f.name)) for f in attrs.fields(type(value))}
+    if isinstance(value, dict):
+        return {k: unstructure(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [unstructure(v) for v in value]
+    return value
