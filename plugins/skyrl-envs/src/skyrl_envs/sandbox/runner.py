@@ -1,0 +1,230 @@
+"""Run an untrusted Python program in a sandbox and collect what it printed.
+
+``run_python(program, stdin, limits)`` starts ``launcher.py`` (see its docstring for the
+isolation it builds) in a new session, feeds stdin, reads stdout and stderr up to a cap, and
+kills the launcher's process group when the wall-clock limit or the output cap is hit; killing
+the launcher kills the sandbox's whole pid namespace. It is thread-safe (no ``preexec_fn``).
+
+If this machine cannot build the sandbox (no namespaces, no ``mount_setattr``, ...),
+``SandboxUnavailable`` is raised with the reason: the program is never run without isolation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import attrs
+
+from skyrl_envs.sandbox.limits import SandboxLimits
+
+LAUNCHER = str(Path(__file__).with_name("launcher.py"))
+# The only variables the program sees (no secrets of the caller's environment get through).
+PROGRAM_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "HOME": "/tmp",
+    "TMPDIR": "/tmp",
+    "LANG": "C.UTF-8",
+    "LC_ALL": "C.UTF-8",
+    "OMP_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+}
+KILL_GRACE_SECONDS = 2.0  # after a kill, how long to wait for the pipes to close
+
+
+class SandboxUnavailable(RuntimeError):
+    """The sandbox cannot be built on this machine; the program was not run."""
+
+
+@attrs.frozen(kw_only=True)
+class SandboxResult:
+    """How a sandboxed run ended. ``exit_code`` is None when the program died of ``signal``."""
+
+    stdout: str
+    stderr: str
+    exit_code: int | None
+    signal: int | None
+    timed_out: bool
+    output_truncated: bool
+    wall_seconds: float
+
+    @property
+    def ok(self) -> bool:
+        """Exited 0 within every limit."""
+        return self.exit_code == 0 and not self.timed_out and not self.output_truncated
+
+
+def run_python(program: str, stdin: str = "", limits: SandboxLimits = SandboxLimits(), *,
+               python: str | None = None) -> SandboxResult:
+    """Run ``program`` (Python source) as ``/tmp/main.py`` in a fresh sandbox, ``stdin`` on stdin."""
+    python = python or sys.executable
+    stage = tempfile.mkdtemp(prefix="skyrl-sandbox-")
+    status_read, status_write = os.pipe()
+    try:
+        config = _launcher_config(program, python, limits)
+        Path(stage, "config.json").write_text(json.dumps(config), encoding="utf-8")
+        started = time.monotonic()
+        process = subprocess.Popen(
+            [sys.executable, "-I", "-S", LAUNCHER, stage, str(status_write)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            pass_fds=(status_write,), env={"PATH": PROGRAM_ENV["PATH"]}, cwd="/",
+            start_new_session=True,
+        )
+        os.close(status_write)
+        status_write = -1
+        streams = _Streams(process, status_read, stdin.encode("utf-8"), limits.output_bytes)
+        timed_out = not streams.pump(deadline=started + limits.wall_seconds)
+        if timed_out or streams.truncated:
+            _kill_group(process.pid)
+            streams.pump(deadline=time.monotonic() + KILL_GRACE_SECONDS)
+        process.wait()
+        wall_seconds = time.monotonic() - started
+        statuses = [json.loads(line) for line in streams.status.decode().splitlines() if line.strip()]
+    finally:
+        for fd in (status_read, status_write):
+            if fd >= 0:
+                os.close(fd)
+        shutil.rmtree(stage, ignore_errors=True)
+    errors = [s["error"] for s in statuses if "error" in s]
+    if errors:
+        raise SandboxUnavailable(f"cannot build the code sandbox on this machine: {errors[0]}")
+    ending = next((s for s in statuses if "exit_code" in s or "signal" in s), {})
+    if not ending and not (timed_out or streams.truncated):
+        raise SandboxUnavailable(
+            f"the sandbox launcher ended without reporting (exit status {process.returncode}): "
+            f"{streams.stderr.decode(errors='replace')[-500:]}"
+        )
+    return SandboxResult(
+        stdout=streams.stdout.decode("utf-8", errors="replace"),
+        stderr=streams.stderr.decode("utf-8", errors="replace"),
+        exit_code=ending.get("exit_code"),
+        signal=ending.get("signal", signal.SIGKILL if not ending else None),
+        timed_out=timed_out,
+        output_truncated=streams.truncated,
+        wall_seconds=wall_seconds,
+    )
+
+
+def _launcher_config(program: str, python: str, limits: SandboxLimits) -> dict:
+    expose = sorted({os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, os.path.dirname(os.path.realpath(python)))})
+    return {
+        "program": program,
+        "python": python,
+        "env": PROGRAM_ENV,
+        "caller_pid": os.getpid(),
+        "uid_base": limits.uid_base,
+        "hide_paths": list(limits.hide_paths),
+        "expose_paths": expose,
+        "tmpfs_bytes": limits.disk_bytes,
+        "max_files": limits.max_files,
+        "nproc_baseline": 0 if os.geteuid() == 0 else _processes_of_this_user(),
+        "limits": {
+            "cpu_seconds": limits.cpu_seconds,
+            "memory_bytes": limits.memory_bytes,
+            "processes": limits.processes,
+            "file_size_bytes": limits.file_size_bytes,
+            "open_files": limits.open_files,
+        },
+    }
+
+
+def _processes_of_this_user() -> int:
+    """Processes of our real uid now: RLIMIT_NPROC counts them too when we are not root."""
+    uid, count = os.getuid(), 0
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                count += os.stat(f"/proc/{entry}").st_uid == uid
+            except OSError:
+                pass
+    return count
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class _Streams:
+    """Feeds stdin and collects stdout, stderr and the status pipe without blocking."""
+
+    def __init__(self, process: subprocess.Popen, status_fd: int, stdin: bytes, cap: int):
+        self.stdout = b""
+        self.stderr = b""
+        self.status = b""
+        self.truncated = False
+        self._cap = cap
+        self._stdin = memoryview(stdin)
+        self._selector = selectors.DefaultSelector()
+        for name, stream in (("stdout", process.stdout), ("stderr", process.stderr)):
+            os.set_blocking(stream.fileno(), False)
+            self._selector.register(stream.fileno(), selectors.EVENT_READ, name)
+        self._selector.register(status_fd, selectors.EVENT_READ, "status")
+        self._stdin_fd = process.stdin.fileno()
+        self._stdin_file = process.stdin
+        os.set_blocking(self._stdin_fd, False)
+        self._selector.register(self._stdin_fd, selectors.EVENT_WRITE, "stdin")
+        if not stdin:
+            self._close_stdin()
+
+    def pump(self, deadline: float) -> bool:
+        """Move bytes until every pipe is closed (True) or ``deadline`` passes (False).
+
+        Stops early (returning True) once an output stream exceeds the cap; ``truncated`` says so.
+        """
+        while self._selector.get_map():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            for key, _ in self._selector.select(timeout=remaining):
+                if key.data == "stdin":
+                    self._write_stdin()
+                else:
+                    self._read(key)
+            if self.truncated:
+                return True
+        return True
+
+    def _write_stdin(self) -> None:
+        try:
+            written = os.write(self._stdin_fd, self._stdin[:65536])
+        except BlockingIOError:
+            return
+        except BrokenPipeError:  # the program stopped reading: it does not get the rest
+            self._close_stdin()
+            return
+        self._stdin = self._stdin[written:]
+        if not self._stdin:
+            self._close_stdin()
+
+    def _close_stdin(self) -> None:
+        if self._stdin_fd in self._selector.get_map():
+            self._selector.unregister(self._stdin_fd)
+        self._stdin_file.close()
+
+    def _read(self, key: selectors.SelectorKey) -> None:
+        try:
+            chunk = os.read(key.fd, 65536)
+        except BlockingIOError:
+            return
+        if not chunk:
+            self._selector.unregister(key.fd)
+            return
+        if key.data == "status":
+            self.status += chunk
+            return
+        collected = getattr(self, key.data) + chunk
+        if len(collected) > self._cap:
+            collected = collected[: self._cap]
+            self.truncated = True
+        setattr(self, key.data, collected)
