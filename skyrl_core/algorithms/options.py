@@ -21,7 +21,8 @@ def _help(text: str) -> dict[str, Any]:
 
 
 def _name(instance: Any, attribute: attrs.Attribute) -> str:
-    return f"{type(instance).__name__}.{attribute.name}"
+    # the config loader validates fields before building the instance (instance is None then)
+    return attribute.name if instance is None else f"{type(instance).__name__}.{attribute.name}"
 
 
 def _number(instance: Any, attribute: attrs.Attribute, value: Any) -> None:

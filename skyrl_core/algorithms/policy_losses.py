@@ -229,7 +229,7 @@ def make_sapo(options: opts.SAPOOptions | None = None) -> PolicyLossFn:
 
     def per_token(x: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
         ratio = x.log_ratio().exp()
-        tau = torch.where(x.advantages > 0, o.tau_pos, o.tau_neg).to(ratio.dtype)
+        tau = torch.full_like(ratio, o.tau_neg).masked_fill(x.advantages > 0, o.tau_pos)
         gate = torch.sigmoid(tau * (ratio - 1)) * (4 / tau)
         return -gate * x.advantages, {**x.ratio_metrics(ratio), "gate_mean": masked_scalar(gate, x.mask)}
 
