@@ -1,0 +1,62 @@
+"""Options of the FSDP2 backend (``backend: {name: fsdp, options: {...}}``). Light: no torch import."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+PRECISIONS = ("fp32", "bf16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _one_of(*allowed: str):
+    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if value not in allowed:
+            raise ValueError(f"{attribute.name} must be one of {', '.join(allowed)}; got {value!r}")
+
+    check.allowed = allowed  # type: ignore[attr-defined]
+    return check
+
+
+def _positive_int(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{attribute.name} must be an integer >= 1; got {value!r}")
+
+
+def _optional_positive_int(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None:
+        _positive_int(instance, attribute, value)
+
+
+@attrs.frozen(kw_only=True)
+class FSDPOptions:
+    """How the FSDP2 backend shards, computes and places ranks."""
+
+    world_size: int = attrs.field(
+        default=1,
+        validator=_positive_int,
+        metadata={"help": "data-parallel ranks; 1 runs in-process, N > 1 runs N Ray actors on this machine"},
+    )
+    mixed_precision: str = attrs.field(
+        default="fp32",
+        validator=_one_of(*PRECISIONS),
+        metadata={"help": "fp32: compute in fp32; bf16: compute in bf16 with fp32 master weights and fp32 gradient reduction"},
+    )
+    device: str = attrs.field(
+        default="auto",
+        validator=_one_of(*DEVICES),
+        metadata={"help": "auto: cuda (nccl) when a GPU is visible, else cpu (gloo)"},
+    )
+    threads_per_rank: int | None = attrs.field(
+        default=None,
+        validator=_optional_positive_int,
+        metadata={
+            "help": "torch threads in each Ray rank (default: CPU cores / world_size); "
+            "the in-process rank of world_size 1 leaves the caller's setting alone unless this is set"
+        },
+    )
+    reshard_after_forward: bool = attrs.field(
+        default=True,
+        metadata={"help": "free gathered parameters after forward (less memory, one more all-gather in backward)"},
+    )

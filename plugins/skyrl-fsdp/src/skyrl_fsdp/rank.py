@@ -1,0 +1,346 @@
+"""One data-parallel rank: an FSDP2-sharded policy, its AdamW optimizer and LR schedule.
+
+``FSDPBackend`` drives one rank in-process (world size 1) or N of them as Ray actors. Every rank
+receives its own rows of a batch and the number of micro-batches that *every* rank runs: FSDP's
+collectives (all-gather in forward, reduce-scatter in backward) must be entered the same number of
+times on each rank, so a rank with fewer rows runs "filler" passes whose gradient is exactly zero.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+import random
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from skyrl_core.config.schema import ModelConfig, TrainerConfig
+from skyrl_core.interfaces import LossFn
+from skyrl_core.models import load_causal_lm, load_tokenizer
+from skyrl_core.ops import prepare_model, site_scope, token_logprobs
+from skyrl_core.types import TrainingBatch
+from skyrl_fsdp.hf_io import read_hf_weights, tied_aliases, write_hf_dir
+from skyrl_fsdp.options import FSDPOptions
+from skyrl_fsdp.schedule import lr_factor
+
+OPTIMIZER_FILE = "optimizer.pt"
+TRAINER_STATE_FILE = "trainer_state.pt"
+CHECKPOINT_FORMAT = 1
+
+# The in-process rank shares one default process group per process between backends.
+_process_group_users = 0
+_process_group_owned = False
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("backend option device='cuda' but no CUDA device is visible")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _acquire_process_group(device: torch.device, rank: int, world_size: int, init_method: str | None) -> None:
+    global _process_group_users, _process_group_owned
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if init_method is None:  # one in-process rank: an in-memory store, no port to pick
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        else:
+            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+        _process_group_owned = True
+    elif dist.get_world_size() != world_size or dist.get_rank() != rank:
+        raise RuntimeError(
+            f"a torch.distributed process group (rank {dist.get_rank()} of {dist.get_world_size()}) already "
+            f"exists in this process; the FSDP backend needs rank {rank} of {world_size}"
+        )
+    _process_group_users += 1
+
+
+def _release_process_group() -> None:
+    global _process_group_users, _process_group_owned
+    _process_group_users -= 1
+    if _process_group_users == 0 and _process_group_owned and dist.is_initialized():
+        dist.destroy_process_group()
+        _process_group_owned = False
+
+
+def _accepts_keyword(fn: Any, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _on_device(batch: TrainingBatch, device: torch.device) -> TrainingBatch:
+    if device.type == "cpu":
+        return batch
+    moved = {
+        f.name: value.to(device)
+        for f in attrs.fields(TrainingBatch)
+        if isinstance(value := getattr(batch, f.name), torch.Tensor)
+    }
+    return attrs.evolve(batch, **moved)
+
+
+def _rng_state() -> dict[str, Any]:
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class FSDPRank:
+    """The policy shard and optimizer of rank ``rank`` of ``world_size``.
+
+    Master weights are always fp32 (``ModelConfig.dtype`` is the engine's concern); with
+    ``mixed_precision="bf16"`` FSDP gathers them as bf16 for compute and reduces gradients in fp32.
+    The model stays in eval mode: dropout off, so scoring and training see the same function.
+    """
+
+    def __init__(
+        self,
+        model: ModelConfig,
+        options: FSDPOptions,
+        trainer: TrainerConfig,
+        *,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        init_method: str | None = None,
+    ) -> None:
+        if options.threads_per_rank is not None:
+            torch.set_num_threads(options.threads_per_rank)
+        self.model_config = model
+        self.options = options
+        self.trainer = trainer
+        self.rank = rank
+        self.world_size = world_size
+        self.device = resolve_device(options.device)
+        _acquire_process_group(self.device, rank, world_size, init_method)
+        self._closed = False
+
+        # Same seed on every rank: identical initial weights before sharding.
+        self.model = load_causal_lm(attrs.evolve(model, dtype="float32"), seed=seed)
+        self.ledger = prepare_model(self.model, "trainer")
+        self.aliases = tied_aliases(self.model)
+        self._logits_to_keep = _accepts_keyword(self.model.forward, "logits_to_keep")
+        self.model.to(self.device)
+        self._shard()
+
+        decay = [p for p in self.model.parameters() if p.ndim >= 2]
+        no_decay = [p for p in self.model.parameters() if p.ndim < 2]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": trainer.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=trainer.lr,
+        )
+        self.optimizer_steps = 0
+        # One optimizer step per mini-batch per PPO epoch of every training step.
+        self.total_optimizer_steps = trainer.steps * trainer.mini_batches * trainer.ppo_epochs
+
+    def _shard(self) -> None:
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        if self.options.mixed_precision == "bf16":
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        else:
+            policy = MixedPrecisionPolicy()
+        layers = getattr(getattr(self.model, "model", None), "layers", None)
+        for layer in layers or ():
+            fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=self.options.reshard_after_forward)
+        # The root holds embeddings, final norm and lm_head (tied embeddings stay in one group).
+        fully_shard(self.model, mesh=mesh, mp_policy=policy, reshard_after_forward=self.options.reshard_after_forward)
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                # Sum gradients over ranks instead of averaging: each rank's loss is already its
+                # share of the whole batch's loss (normalised by the caller's token weights).
+                module.set_gradient_divide_factor(1.0)
+
+    # --- computation -------------------------------------------------------------------------
+
+    def _micro_batches(self, part: TrainingBatch, num_micro: int, filler: TrainingBatch | None) -> list[tuple[TrainingBatch, bool]]:
+        real = part.split(self.trainer.micro_batch_size) if len(part) else []
+        if len(real) > num_micro:
+            raise AssertionError(f"rank {self.rank} got {len(real)} micro-batches, more than {num_micro}")
+        if len(real) < num_micro and filler is None:
+            raise AssertionError(f"rank {self.rank} needs filler passes but got no filler row")
+        return [(_on_device(mb, self.device), True) for mb in real] + [
+            (_on_device(filler, self.device), False) for _ in range(num_micro - len(real))
+        ]
+
+    def _response_logprobs(self, batch: TrainingBatch, temperature: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logprobs ``[B, R]`` of the response tokens (0 on padding), and their entropy if asked."""
+        R = batch.response_len
+        ids, mask = batch.input_ids, batch.attention_mask
+        # Left-padded prompts: positions count real tokens only, so padding does not shift them.
+        position_ids = (mask.long().cumsum(-1) - 1).clamp_min(0)
+        extra = {"logits_to_keep": R + 1} if self._logits_to_keep else {}
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False, **extra).logits
+        logits = logits[:, -(R + 1) : -1]  # the prediction of response token i sits one position earlier
+        if temperature != 1.0:
+            logits = logits.float() / temperature
+        logprobs = token_logprobs(logits, ids[:, -R:], ledger=self.ledger)
+        real = mask[:, -R:].bool()
+        zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+        logprobs = torch.where(real, logprobs, zero)
+        entropy = None
+        if with_entropy:
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            entropy = torch.where(real, -(logp.exp() * logp).sum(-1), zero)
+        return logprobs, entropy
+
+    def forward(self, part: TrainingBatch, temperature: float, num_micro: int, filler: TrainingBatch | None) -> torch.Tensor:
+        outputs = []
+        with torch.no_grad(), site_scope("trainer_score"):
+            for micro, real in self._micro_batches(part, num_micro, filler):
+                logprobs, _ = self._response_logprobs(micro, temperature, with_entropy=False)
+                if real:
+                    outputs.append(logprobs.float().cpu())
+        return torch.cat(outputs) if outputs else torch.zeros(0, part.response_len)
+
+    def forward_backward(
+        self, part: TrainingBatch, loss_fn: LossFn, num_micro: int, filler: TrainingBatch | None, temperature: float
+    ) -> list[dict[str, float]]:
+        """Per real micro-batch: ``{**metrics, "loss": loss}``. Gradients accumulate in the shards."""
+        wants_entropy = _accepts_keyword(loss_fn, "entropy")
+        results = []
+        for micro, real in self._micro_batches(part, num_micro, filler):
+            with site_scope("trainer_forward"):
+                logprobs, entropy = self._response_logprobs(micro, temperature, with_entropy=wants_entropy and real)
+                if real:
+                    extra = {"entropy": entropy} if wants_entropy else {}
+                    loss, metrics = loss_fn(logprobs, micro, **extra)
+                else:  # joins the collectives, contributes exactly zero gradient
+                    loss, metrics = logprobs.sum() * 0.0, {}
+                loss.backward()
+            if real:
+                results.append({**{k: float(v) for k, v in metrics.items()}, "loss": float(loss.detach())})
+        return results
+
+    def optim_step(self) -> dict[str, float]:
+        lr = self.trainer.lr * lr_factor(
+            self.optimizer_steps,
+            schedule=self.trainer.lr_schedule,
+            warmup_steps=self.trainer.warmup_steps,
+            total_steps=self.total_optimizer_steps,
+        )
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.trainer.grad_clip)
+        grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        if math.isfinite(grad_norm):  # a non-finite gradient skips the update
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer_steps += 1
+        return {"grad_norm": grad_norm, "lr": lr}
+
+    # --- state ---------------------------------------------------------------------------------
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Unsharded fp32 weights by Hugging Face name on rank 0 (CPU); ``{}`` on other ranks.
+        Collective: every rank must call it."""
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def _tokenizer(self) -> Any:
+        if self.model_config.tokenizer is None and self.model_config.path is None:
+            return None  # the byte tokenizer of a config-built model has no files
+        return load_tokenizer(self.model_config)
+
+    def save_hf(self, path: str) -> None:
+        """Rank 0 writes a Hugging Face directory into the existing ``path``. Collective."""
+        weights = self.full_state_dict()
+        if self.rank == 0:
+            write_hf_dir(path, weights, self.model.config, self.aliases, self._tokenizer())
+        dist.barrier()
+
+    def save_checkpoint(self, path: str) -> None:
+        """Rank 0 writes weights (a Hugging Face directory), optimizer and trainer state (step,
+        every rank's RNG) into the existing ``path``. Collective."""
+        weights = self.full_state_dict()
+        if self.optimizer.state:
+            optim = get_optimizer_state_dict(
+                self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
+        else:  # asking for the state of a fresh optimizer would initialise it with a dummy step
+            optim = {}
+        rng_states: list[Any] = [None] * self.world_size
+        dist.all_gather_object(rng_states, _rng_state())
+        if self.rank == 0:
+            write_hf_dir(path, weights, self.model.config, self.aliases, self._tokenizer())
+            torch.save(optim, os.path.join(path, OPTIMIZER_FILE))
+            state = {
+                "format": CHECKPOINT_FORMAT,
+                "optimizer_steps": self.optimizer_steps,
+                "world_size": self.world_size,
+                "rng": rng_states,
+            }
+            torch.save(state, os.path.join(path, TRAINER_STATE_FILE))
+        dist.barrier()
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore what ``save_checkpoint`` wrote (any world size; RNG per rank when it matches)."""
+        state = torch.load(os.path.join(path, TRAINER_STATE_FILE), weights_only=False)
+        if state.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(f"{path}: checkpoint format {state.get('format')!r}, this backend reads {CHECKPOINT_FORMAT}")
+        full = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(self.model, read_hf_weights(path, self.aliases), options=full)
+        optim = torch.load(os.path.join(path, OPTIMIZER_FILE), weights_only=True)
+        if optim:
+            set_optimizer_state_dict(self.model, self.optimizer, optim, options=full)
+        else:
+            self.optimizer.state.clear()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer_steps = int(state["optimizer_steps"])
+        if self.rank < len(state["rng"]):
+            _set_rng_state(state["rng"][self.rank])
+
+    def execution_contract(self) -> dict[str, Any]:
+        return {
+            "ledger": self.ledger.as_dict(),
+            "backend": "fsdp",
+            "world_size": self.world_size,
+            "mixed_precision": self.options.mixed_precision,
+            "device": self.device.type,
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+        }
+
+    def ready(self) -> int:
+        return self.rank
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        del self.optimizer, self.model
+        _release_process_group()

@@ -1,0 +1,25 @@
+"""The learning-rate schedule as a pure function of the optimizer step."""
+
+from __future__ import annotations
+
+import math
+
+SCHEDULES = ("constant", "cosine", "linear")
+
+
+def lr_factor(step: int, *, schedule: str, warmup_steps: int, total_steps: int) -> float:
+    """Multiplier of the peak LR for the optimizer step ``step`` (0-based: the first step is 0).
+
+    Warm-up is linear and reaches the peak at step ``warmup_steps - 1`` (so the first step already
+    learns). After it, ``cosine`` and ``linear`` decay to 0 at step ``total_steps``; ``constant`` stays.
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"lr_schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    return 1.0 - progress
