@@ -44,7 +44,7 @@ ROLLOUT = [
     [-0.25, -0.05, -1.0, -0.31],
     [-0.4, NAN, NAN, NAN],
 ]
-GROUPS = ["a", "a", "b", "b"]
+GROUPS = ["a", "a", "a", "b"]
 
 
 def tensors(dtype=torch.float64):
