@@ -1,0 +1,123 @@
+"""Weight conversion between Hugging Face names/layouts and Megatron's tensor-parallel shards.
+
+Megatron stores, per tensor-parallel rank ``r`` of ``tp``:
+
+- ``linear_qkv``: for each of its ``kv_heads / tp`` query groups, the group's query heads, then its
+  key head, then its value head, stacked on rows (``[groups * (q_per_group + 2) * head_dim, hidden]``);
+- ``linear_fc1``: rank ``r``'s rows of ``gate_proj`` stacked on rank ``r``'s rows of ``up_proj``
+  (SwiGLU splits its output in halves: ``silu(first) * second``);
+- column-parallel weights (``linear_qkv``, ``linear_fc1``, word embeddings, ``output_layer``) split
+  on rows, row-parallel ones (``linear_proj``, ``linear_fc2``) on columns; norms replicated;
+- word embeddings and ``output_layer`` padded with zero rows to a vocabulary divisible by ``tp``.
+
+Both directions only slice, stack and reshape, so HF -> Megatron -> HF is bit-exact.
+``fused_norms`` selects the Transformer Engine layer spec's names, where the input and pre-MLP norms
+live inside ``linear_qkv`` / ``linear_fc1`` as ``layer_norm_weight``.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+
+from skyrl_megatron.layout import GPTLayout
+
+
+def _norm_names(fused_norms: bool) -> tuple[str, str]:
+    if fused_norms:
+        return "self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight"
+    return "input_layernorm.weight", "pre_mlp_layernorm.weight"
+
+
+def _rows(t: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+    return t.chunk(tp, dim=0)[rank]
+
+
+def _cols(t: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+    return t.chunk(tp, dim=1)[rank]
+
+
+def _pad_vocab(t: torch.Tensor, padded: int) -> torch.Tensor:
+    if t.shape[0] == padded:
+        return t
+    return torch.cat([t, t.new_zeros(padded - t.shape[0], *t.shape[1:])])
+
+
+def hf_to_megatron(
+    hf: Mapping[str, torch.Tensor], layout: GPTLayout, *, tp_rank: int, tp_size: int, fused_norms: bool = False
+) -> dict[str, torch.Tensor]:
+    """Rank ``tp_rank``'s Megatron parameters (names as in ``GPTModel.named_parameters``) from a
+    full Hugging Face state dict."""
+    layout.check_tensor_parallel(tp_size)
+    r, tp = tp_rank, tp_size
+    hd, qpg, groups = layout.head_dim, layout.heads_per_group, layout.num_kv_heads
+    padded = layout.padded_vocab_size(tp)
+    in_norm, mlp_norm = _norm_names(fused_norms)
+    out: dict[str, torch.Tensor] = {
+        "embedding.word_embeddings.weight": _rows(_pad_vocab(hf["model.embed_tokens.weight"], padded), r, tp)
+    }
+    for i in range(layout.num_layers):
+        src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
+        q = hf[src + "self_attn.q_proj.weight"].reshape(groups, qpg * hd, -1)
+        k = hf[src + "self_attn.k_proj.weight"].reshape(groups, hd, -1)
+        v = hf[src + "self_attn.v_proj.weight"].reshape(groups, hd, -1)
+        qkv = torch.cat([q, k, v], dim=1)  # [groups, (qpg + 2) * hd, hidden]
+        out[dst + in_norm] = hf[src + "input_layernorm.weight"]
+        out[dst + "self_attention.linear_qkv.weight"] = _rows(qkv, r, tp).reshape(-1, qkv.shape[-1])
+        if layout.qk_norm:
+            out[dst + "self_attention.q_layernorm.weight"] = hf[src + "self_attn.q_norm.weight"]
+            out[dst + "self_attention.k_layernorm.weight"] = hf[src + "self_attn.k_norm.weight"]
+        out[dst + "self_attention.linear_proj.weight"] = _cols(hf[src + "self_attn.o_proj.weight"], r, tp)
+        out[dst + mlp_norm] = hf[src + "post_attention_layernorm.weight"]
+        gate = _rows(hf[src + "mlp.gate_proj.weight"], r, tp)
+        up = _rows(hf[src + "mlp.up_proj.weight"], r, tp)
+        out[dst + "mlp.linear_fc1.weight"] = torch.cat([gate, up])
+        out[dst + "mlp.linear_fc2.weight"] = _cols(hf[src + "mlp.down_proj.weight"], r, tp)
+    out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
+    if not layout.tied_embeddings:
+        out["output_layer.weight"] = _rows(_pad_vocab(hf["lm_head.weight"], padded), r, tp)
+    return {name: t.contiguous() for name, t in out.items()}
+
+
+def megatron_to_hf(
+    shards: Sequence[Mapping[str, torch.Tensor]], layout: GPTLayout, *, fused_norms: bool = False
+) -> dict[str, torch.Tensor]:
+    """The full Hugging Face state dict (transformers' names and order, ``lm_head.weight`` included
+    even when tied) from every tensor-parallel rank's parameters, in rank order."""
+    tp = len(shards)
+    hd, qpg = layout.head_dim, layout.heads_per_group
+    V = layout.vocab_size
+    in_norm, mlp_norm = _norm_names(fused_norms)
+
+    def rows(name: str) -> torch.Tensor:
+        return torch.cat([s[name] for s in shards], dim=0)
+
+    def cols(name: str) -> torch.Tensor:
+        return torch.cat([s[name] for s in shards], dim=1)
+
+    first = shards[0]
+    embed = rows("embedding.word_embeddings.weight")[:V]
+    out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": embed}
+    for i in range(layout.num_layers):
+        src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
+        qkv = rows(src + "self_attention.linear_qkv.weight")
+        qkv = qkv.reshape(layout.num_kv_heads, (qpg + 2) * hd, -1)
+        q, k, v = qkv.split([qpg * hd, hd, hd], dim=1)
+        hidden = qkv.shape[-1]
+        out[dst + "self_attn.q_proj.weight"] = q.reshape(-1, hidden)
+        out[dst + "self_attn.k_proj.weight"] = k.reshape(-1, hidden)
+        out[dst + "self_attn.v_proj.weight"] = v.reshape(-1, hidden)
+        out[dst + "self_attn.o_proj.weight"] = cols(src + "self_attention.linear_proj.weight")
+        if layout.qk_norm:
+            out[dst + "self_attn.q_norm.weight"] = first[src + "self_attention.q_layernorm.weight"]
+            out[dst + "self_attn.k_norm.weight"] = first[src + "self_attention.k_layernorm.weight"]
+        gate_up = [s[src + "mlp.linear_fc1.weight"].chunk(2, dim=0) for s in shards]
+        out[dst + "mlp.gate_proj.weight"] = torch.cat([g for g, _ in gate_up])
+        out[dst + "mlp.up_proj.weight"] = torch.cat([u for _, u in gate_up])
+        out[dst + "mlp.down_proj.weight"] = cols(src + "mlp.linear_fc2.weight")
+        out[dst + "input_layernorm.weight"] = first[src + in_norm]
+        out[dst + "post_attention_layernorm.weight"] = first[src + mlp_norm]
+    out["model.norm.weight"] = first["decoder.final_layernorm.weight"]
+    out["lm_head.weight"] = embed if layout.tied_embeddings else rows("output_layer.weight")[:V]
+    return {name: t.contiguous() for name, t in out.items()}

@@ -1,0 +1,130 @@
+"""Redirections that let megatron-core 0.16 run on CPU (gloo, no CUDA).
+
+megatron-core assumes CUDA in a handful of places that the local (non-Transformer-Engine) GPT layer
+spec reaches. ``apply()`` replaces exactly those, and only when the backend runs on CPU; on GPU it is
+never called. Each redirection below names the call it replaces and why. Nothing here changes the
+mathematics: the same tensors are computed, on the CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from functools import reduce
+import operator
+from typing import Iterator
+
+import torch
+
+_applied = False
+
+
+class CpuRNGStatesTracker:
+    """Stands in for ``megatron.core.tensor_parallel.random.CudaRNGStatesTracker``.
+
+    Replaces: the CUDA RNG tracker, whose ``add``/``fork`` call ``torch.cuda.get_rng_state`` /
+    ``torch.cuda.manual_seed``. Why: megatron forks the "model-parallel-rng" state around attention
+    dropout and embedding dropout on every forward, even with dropout 0. Here each named state is a
+    CPU generator state, swapped into the default CPU generator for the duration of ``fork``.
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def is_initialized(self) -> bool:
+        return self._is_initialized
+
+    def reset(self) -> None:
+        self._is_initialized = False
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return dict(self.states_)
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self._is_initialized = True
+        self.states_ = dict(states)
+
+    def add(self, name: str, seed: int) -> None:
+        if seed in self.seeds_:
+            raise ValueError(f"RNG seed {seed} already used")
+        if name in self.states_:
+            raise ValueError(f"RNG state {name!r} already exists")
+        self._is_initialized = True
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng") -> Iterator[None]:
+        if name not in self.states_:
+            raise ValueError(f"RNG state {name!r} was never added")
+        outer = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outer)
+
+
+class CpuMemoryBuffer:
+    """Stands in for ``megatron.core.utils.GlobalMemoryBuffer``.
+
+    Replaces: ``GlobalMemoryBuffer.get_tensor``, which allocates with
+    ``device=torch.cuda.current_device()``. Why: the local attention (``DotProductAttention``)
+    takes its ``baddbmm`` output buffer from it on every forward.
+    """
+
+    def __init__(self) -> None:
+        self.buffer: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):  # noqa: ARG002 - megatron's signature
+        required = reduce(operator.mul, tensor_shape, 1)
+        held = self.buffer.get((name, dtype))
+        if held is None or held.numel() < required:
+            held = self.buffer[(name, dtype)] = torch.empty(required, dtype=dtype)
+        return held[:required].view(*tensor_shape)
+
+
+def _rotary_emb_on_cpu(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+    """``RotaryEmbedding.get_emb`` without its move of ``inv_freq`` to the current CUDA device.
+
+    Replaces: ``RotaryEmbedding.get_emb``, whose first line moves ``inv_freq`` to
+    ``torch.cuda.current_device()`` whenever it is on the CPU. Why: that is the only CUDA call in the
+    rotary path; the rest of the body is reproduced unchanged (non-interleaved and interleaved).
+    """
+    freqs = self.get_freqs_non_repeated(max_seq_len, offset)
+    if not self.rotary_interleaved:
+        emb = torch.cat((freqs, freqs), dim=-1)
+    else:
+        emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
+    return emb[:, None, None, :]
+
+
+def apply(seed: int) -> None:
+    """Install the CPU redirections (idempotent) and seed the RNG tracker like
+    ``tensor_parallel.model_parallel_cuda_manual_seed`` would (which calls ``torch.cuda.manual_seed``).
+
+    Call after ``parallel_state.initialize_model_parallel``.
+    """
+    global _applied
+    from megatron.core import parallel_state
+    from megatron.core.models.common.embeddings import rotary_pos_embedding
+    from megatron.core.tensor_parallel import random as mp_random
+
+    if not _applied:
+        rotary_pos_embedding.RotaryEmbedding.get_emb = _rotary_emb_on_cpu
+        _applied = True
+    # initialize_model_parallel created a CUDA GlobalMemoryBuffer; swap in the CPU one.
+    parallel_state._GLOBAL_MEMORY_BUFFER = CpuMemoryBuffer()
+
+    tracker = CpuRNGStatesTracker()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    etp_rank = parallel_state.get_expert_tensor_parallel_rank()
+    # The same seeds megatron derives in model_parallel_cuda_manual_seed.
+    tracker.add(mp_random._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(mp_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
+    tracker.add(mp_random._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 100 * ep_rank + etp_rank)
+    mp_random._CUDA_RNG_STATE_TRACKER = tracker
+    mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True

@@ -1,0 +1,102 @@
+"""Token log-probabilities and entropies over vocabulary-parallel logits.
+
+Megatron's output layer leaves each tensor-parallel rank with a slice of the vocabulary
+(``[..., V_padded / tp]``). ``vocab_parallel_logprobs`` computes the fp32 log-softmax across the
+slices with two all-reduces (the max is only for stability), never materialising full logits;
+padding rows of the vocabulary (global index >= ``vocab_size``) are excluded. Every rank ends with
+the same ``[...]`` result, and gradients flow back to each rank's own slice.
+
+``gather_vocab`` is the other route: all-gather the full logits (with gradient) so an op installed
+through ``skyrl_core.ops`` (IsoExec's canonical logprob, say) sees exactly the logits it would see
+at tensor parallel 1, which makes its result independent of the tensor-parallel degree.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class _SumAcrossRanks(torch.autograd.Function):
+    """All-reduce (sum) in forward, identity in backward: every rank computes the same loss from
+    the sum, so the gradient reaching each rank's addend is the gradient of the sum."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:  # noqa: ARG004 - autograd signature
+        x = x.clone()
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class _GatherVocab(torch.autograd.Function):
+    """All-gather vocabulary slices on the last dim; backward keeps this rank's slice of the
+    gradient (every rank's gradient of the full logits is the same)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        world = dist.get_world_size(group)
+        ctx.rank, ctx.width = dist.get_rank(group), x.shape[-1]
+        parts = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        start = ctx.rank * ctx.width
+        return grad[..., start : start + ctx.width].contiguous(), None
+
+
+def _masked_fp32(logits: torch.Tensor, vocab_start: int, vocab_size: int) -> torch.Tensor:
+    """fp32 logits with the vocabulary's padding entries set to -inf."""
+    x = logits.float()
+    width = x.shape[-1]
+    if vocab_start + width > vocab_size:
+        padding = torch.arange(vocab_start, vocab_start + width, device=x.device) >= vocab_size
+        x = x.masked_fill(padding, float("-inf"))
+    return x
+
+
+def _shifted_and_log_normaliser(x: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x - max, log sum exp(x - max))`` over the whole (distributed) vocabulary."""
+    row_max = x.detach().amax(dim=-1)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+    shifted = x - row_max.unsqueeze(-1)
+    sum_exp = _SumAcrossRanks.apply(shifted.exp().sum(dim=-1), group)
+    return shifted, sum_exp.log()
+
+
+def vocab_parallel_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, *, vocab_start: int, vocab_size: int, group
+) -> torch.Tensor:
+    """``log softmax(logits)[targets]`` in fp32, where ``logits`` is this rank's vocabulary slice
+    starting at global index ``vocab_start`` (``[..., width]``) and ``targets`` are global ids."""
+    x = _masked_fp32(logits, vocab_start, vocab_size)
+    shifted, log_norm = _shifted_and_log_normaliser(x, group)
+    local = targets.long() - vocab_start
+    mine = (local >= 0) & (local < x.shape[-1])
+    picked = shifted.gather(-1, local.clamp(0, x.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
+    picked = _SumAcrossRanks.apply(torch.where(mine, picked, torch.zeros_like(picked)), group)
+    return picked - log_norm
+
+
+def vocab_parallel_entropy(logits: torch.Tensor, *, vocab_start: int, vocab_size: int, group) -> torch.Tensor:
+    """Entropy ``-sum p log p`` in fp32 of the distribution whose slice on this rank is ``logits``."""
+    x = _masked_fp32(logits, vocab_start, vocab_size)
+    shifted, log_norm = _shifted_and_log_normaliser(x, group)
+    logp = shifted - log_norm.unsqueeze(-1)
+    p_logp = torch.where(torch.isfinite(logp), logp.exp() * logp, torch.zeros_like(logp))
+    return -_SumAcrossRanks.apply(p_logp.sum(dim=-1), group)
+
+
+def gather_vocab(logits: torch.Tensor, group) -> torch.Tensor:
+    """The full ``[..., V_padded]`` logits on every rank of ``group`` (differentiable)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return logits
+    return _GatherVocab.apply(logits, group)

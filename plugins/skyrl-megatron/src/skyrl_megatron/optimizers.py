@@ -1,0 +1,136 @@
+"""Optimizers over a Megatron model's tensor-parallel shards.
+
+``ShardedAdamW`` (CPU): megatron-core's own optimizers allocate on CUDA, so on CPU a torch AdamW
+steps this rank's shards. Gradients are summed across data-parallel replicas, and the gradient
+norm counts every tensor-parallel shard once and every replicated parameter (norms) once.
+
+``MegatronAdam`` (GPU): megatron-core's DDP wrapper (contiguous fp32 gradient buffers) and
+``get_megatron_optimizer`` (fp32 main parameters under bf16, its own clipping and norm).
+
+Both: ``step(lr) -> grad_norm`` (the norm before clipping; a non-finite norm skips the update),
+``zero_grad()``, ``state_dict()`` / ``load_state_dict()``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def _decay_groups(params: list[torch.nn.Parameter], weight_decay: float) -> list[dict[str, Any]]:
+    # Matrices decay; norms do not (as in skyrl-fsdp).
+    return [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+
+
+class ShardedAdamW:
+    def __init__(self, model: torch.nn.Module, *, weight_decay: float, grad_clip: float, tp_group, dp_group) -> None:
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.grad_clip = grad_clip
+        self.tp_group, self.dp_group = tp_group, dp_group
+        self.optimizer = torch.optim.AdamW(_decay_groups(self.params, weight_decay), lr=0.0)
+
+    def _sum_grads_across_replicas(self) -> None:
+        if dist.get_world_size(self.dp_group) == 1:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.dp_group)
+        offset = 0
+        for p in self.params:
+            p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+
+    def grad_norm(self) -> float:
+        """The L2 norm of the whole model's gradient (as if unsharded)."""
+        zero = torch.zeros((), dtype=torch.float64)
+        sharded, replicated = zero.clone(), zero.clone()
+        for p in self.params:
+            if p.grad is None:
+                continue
+            sq = p.grad.double().pow(2).sum()
+            if getattr(p, "tensor_model_parallel", False):
+                sharded += sq
+            else:  # identical on every tensor-parallel rank: count it once
+                replicated += sq
+        if dist.get_world_size(self.tp_group) > 1:
+            dist.all_reduce(sharded, group=self.tp_group)
+        return math.sqrt(float(sharded + replicated))
+
+    def step(self, lr: float) -> float:
+        self._sum_grads_across_replicas()
+        norm = self.grad_norm()
+        if math.isfinite(norm):
+            # torch.nn.utils.clip_grad_norm_'s rule, so the curve matches a single-process run.
+            coef = min(1.0, self.grad_clip / (norm + 1e-6))
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+        self.zero_grad()
+        return norm
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
+
+
+class MegatronAdam:  # pragma: no cover - needs CUDA; exercised by scripts/gpu_megatron_check.sh
+    def __init__(self, ddp_model: Any, *, lr: float, weight_decay: float, grad_clip: float, bf16: bool) -> None:
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        self.ddp_model = ddp_model
+        config = OptimizerConfig(
+            optimizer="adam",
+            lr=lr,
+            weight_decay=weight_decay,
+            adam_beta1=0.9,
+            adam_beta2=0.999,
+            adam_eps=1e-8,
+            clip_grad=grad_clip,
+            bf16=bf16,
+            params_dtype=torch.bfloat16 if bf16 else torch.float32,
+            use_distributed_optimizer=False,
+        )
+        self.optimizer = get_megatron_optimizer(config, [ddp_model])
+
+    def step(self, lr: float) -> float:
+        self.ddp_model.finish_grad_sync()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        _, grad_norm, _ = self.optimizer.step()
+        self.zero_grad()
+        return float(grad_norm) if grad_norm is not None else float("nan")
+
+    def zero_grad(self) -> None:
+        self.ddp_model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
+
+
+def wrap_for_gpu_training(model: torch.nn.Module) -> Any:  # pragma: no cover - needs CUDA
+    """megatron-core's DDP wrapper: gradients land in contiguous fp32 ``main_grad`` buffers that
+    ``get_megatron_optimizer`` reads; with data parallelism it also sums them across replicas."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False, average_in_collective=False
+    )
+    return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)

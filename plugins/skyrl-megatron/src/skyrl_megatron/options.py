@@ -1,0 +1,84 @@
+"""Options of the ``megatron`` training backend (``backend.options`` in the config).
+
+Light module: no torch, no megatron at import time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+
+def _help(text: str) -> dict[str, Any]:
+    return {"help": text}
+
+
+def _at_least_one(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and (not isinstance(value, int) or value < 1):
+        raise ValueError(f"backend.options.{attribute.name} must be an integer >= 1, got {value!r}")
+
+
+def _one_of(*allowed: str):
+    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if value not in allowed:
+            raise ValueError(
+                f"backend.options.{attribute.name} must be one of {', '.join(allowed)}; got {value!r}"
+            )
+
+    return check
+
+
+@attrs.frozen(kw_only=True)
+class MegatronOptions:
+    """How the Megatron backend lays the model out over processes.
+
+    ``world_size`` processes form ``world_size // tensor_parallel`` data-parallel replicas of a
+    model split ``tensor_parallel`` ways. One process runs in the caller's process; more run as Ray
+    actors on this machine.
+    """
+
+    tensor_parallel: int = attrs.field(default=1, validator=_at_least_one, metadata=_help("tensor-parallel degree"))
+    world_size: int | None = attrs.field(
+        default=None,
+        validator=_at_least_one,
+        metadata=_help("number of processes (default: tensor_parallel); a multiple of tensor_parallel"),
+    )
+    micro_batch_size: int | None = attrs.field(
+        default=None, validator=_at_least_one, metadata=_help("sequences per forward pass (default: trainer.micro_batch_size)")
+    )
+    dtype: str | None = attrs.field(
+        default=None,
+        validator=attrs.validators.optional(_one_of("float32", "bfloat16")),
+        metadata=_help("parameter dtype (default: model.dtype)"),
+    )
+    device: str = attrs.field(
+        default="auto", validator=_one_of("auto", "cpu", "cuda"), metadata=_help("cpu (gloo), cuda (nccl), or auto: cuda when available")
+    )
+    launcher: str = attrs.field(
+        default="auto",
+        validator=_one_of("auto", "inprocess", "ray"),
+        metadata=_help("inprocess (world_size 1 only), ray (one actor per process), or auto: inprocess for 1 process, else ray"),
+    )
+    torch_threads: int | None = attrs.field(
+        default=None, validator=_at_least_one, metadata=_help("torch CPU threads per Ray worker (default: torch's own)")
+    )
+
+    def __attrs_post_init__(self) -> None:
+        world = self.processes
+        if world % self.tensor_parallel:
+            raise ValueError(
+                f"backend.options.world_size ({world}) must be a multiple of tensor_parallel ({self.tensor_parallel})"
+            )
+        if self.launcher == "inprocess" and world != 1:
+            raise ValueError(
+                f"backend.options.launcher 'inprocess' runs one process, but world_size is {world}; use 'ray' or 'auto'"
+            )
+
+    @property
+    def processes(self) -> int:
+        return self.world_size if self.world_size is not None else self.tensor_parallel
+
+    @property
+    def data_parallel(self) -> int:
+        return self.processes // self.tensor_parallel

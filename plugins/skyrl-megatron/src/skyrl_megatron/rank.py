@@ -1,0 +1,404 @@
+"""One process of the Megatron backend: a tensor-parallel shard of a ``GPTModel``, its optimizer
+and LR schedule.
+
+``MegatronBackend`` drives one rank in-process (world size 1) or N of them as Ray actors. Global
+rank ``r`` is tensor-parallel rank ``r % tp`` of data-parallel replica ``r // tp`` (megatron-core's
+default order). Every rank of a replica receives the same rows; each replica its own rows.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from skyrl_core.config.schema import ModelConfig, TrainerConfig
+from skyrl_core.interfaces import LossFn
+from skyrl_core.models import load_causal_lm
+from skyrl_core.ops import prepare_model, site_scope, token_logprobs
+from skyrl_core.ops.install import DEFAULT_IMPLS
+from skyrl_core.types import TrainingBatch
+from skyrl_megatron import logprobs as vp
+from skyrl_megatron.convert import hf_to_megatron, megatron_to_hf
+from skyrl_megatron.layout import GPTLayout, layout_from_hf_config
+from skyrl_megatron.model import build_gpt_model, left_align, load_parameters, transformer_engine_available
+from skyrl_megatron.optimizers import MegatronAdam, ShardedAdamW, wrap_for_gpu_training
+from skyrl_megatron.options import MegatronOptions
+from skyrl_megatron.schedule import lr_factor
+
+CHECKPOINT_FORMAT = 1
+TRAINER_STATE_FILE = "megatron_trainer_state.pt"
+
+
+def shard_file(rank: int) -> str:
+    return f"megatron_rank{rank:03d}.pt"
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("backend option device='cuda' but no CUDA device is visible")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _accepts_keyword(fn: Any, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _on_device(batch: TrainingBatch, device: torch.device) -> TrainingBatch:
+    if device.type == "cpu":
+        return batch
+    moved = {
+        f.name: value.to(device)
+        for f in attrs.fields(TrainingBatch)
+        if isinstance(value := getattr(batch, f.name), torch.Tensor)
+    }
+    return attrs.evolve(batch, **moved)
+
+
+# megatron-core's parallel state is global to the process: one in-process rank at a time.
+_active_rank: MegatronRank | None = None
+
+
+class MegatronRank:
+    """Rank ``rank`` of ``options.processes``. Master weights are fp32 unless ``options.dtype`` is
+    bfloat16 (GPU only: megatron's optimizer then keeps fp32 main parameters). Dropout is off."""
+
+    def __init__(
+        self,
+        model: ModelConfig,
+        options: MegatronOptions,
+        trainer: TrainerConfig,
+        *,
+        seed: int,
+        rank: int = 0,
+        init_method: str | None = None,
+    ) -> None:
+        global _active_rank
+        if _active_rank is not None:
+            raise RuntimeError(
+                "a Megatron backend is already running in this process (megatron-core's parallel state is "
+                "per process); close it first, or use launcher='ray'"
+            )
+        if options.torch_threads is not None:
+            torch.set_num_threads(options.torch_threads)
+        self.options, self.trainer, self.model_config = options, trainer, model
+        self.rank, self.world_size, self.tp = rank, options.processes, options.tensor_parallel
+        self.device = resolve_device(options.device)
+        dtype = options.dtype or "float32"
+        if dtype == "bfloat16" and self.device.type == "cpu":
+            raise ValueError(
+                "backend.options.dtype='bfloat16' needs device 'cuda' (megatron's mixed-precision optimizer); "
+                "on CPU the megatron backend trains in float32"
+            )
+        self.params_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+        self._owns_process_group = self._init_parallel(init_method, seed)
+        _active_rank = self
+        self._closed = False
+        try:
+            self._build(model, seed)
+        except BaseException:
+            self.close()
+            raise
+
+    # --- construction ------------------------------------------------------------------------
+
+    def _init_parallel(self, init_method: str | None, seed: int) -> bool:
+        from megatron.core import parallel_state
+
+        owns = False
+        if not dist.is_initialized():
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            if init_method is None:  # one in-process rank: an in-memory store, no port to pick
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            else:
+                dist.init_process_group(backend, init_method=init_method, rank=self.rank, world_size=self.world_size)
+            owns = True
+        elif dist.get_world_size() != self.world_size or dist.get_rank() != self.rank:
+            raise RuntimeError(
+                f"a torch.distributed process group (rank {dist.get_rank()} of {dist.get_world_size()}) already "
+                f"exists in this process; the Megatron backend needs rank {self.rank} of {self.world_size}"
+            )
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.tp)
+        if self.device.type == "cpu":
+            from skyrl_megatron import cpu_compat
+
+            cpu_compat.apply(seed)
+        else:  # pragma: no cover - needs CUDA
+            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+            model_parallel_cuda_manual_seed(seed)
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        if (self.tp_rank, self.dp_rank) != (self.rank % self.tp, self.rank // self.tp):
+            raise AssertionError(f"megatron placed rank {self.rank} at tp {self.tp_rank}, dp {self.dp_rank}")
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.dp_group = parallel_state.get_data_parallel_group()
+        return owns
+
+    def _build(self, model: ModelConfig, seed: int) -> None:
+        # Same seed on every rank: identical full weights, of which each rank keeps its shard.
+        hf_model = load_causal_lm(attrs.evolve(model, dtype="float32"), seed=seed)
+        self.hf_config = hf_model.config
+        self.layout: GPTLayout = layout_from_hf_config(hf_model.config)
+        hf_state = hf_model.state_dict()
+        del hf_model
+        self.use_transformer_engine = self.device.type == "cuda" and transformer_engine_available()
+        self.model = build_gpt_model(
+            self.layout,
+            tensor_parallel=self.tp,
+            params_dtype=self.params_dtype,
+            use_transformer_engine=self.use_transformer_engine,
+        )
+        shard = hf_to_megatron(
+            hf_state, self.layout, tp_rank=self.tp_rank, tp_size=self.tp, fused_norms=self.use_transformer_engine
+        )
+        load_parameters(self.model, shard)
+        del hf_state, shard
+        self.vocab_width = self.layout.padded_vocab_size(self.tp) // self.tp
+        self.ledger = prepare_model(self.model, "trainer")
+        self.optimizer_steps = 0
+        # One optimizer step per mini-batch per PPO epoch of every training step.
+        self.total_optimizer_steps = self.trainer.steps * self.trainer.mini_batches * self.trainer.ppo_epochs
+        if self.device.type == "cpu":
+            self.module = self.model
+            self.optimizer: Any = ShardedAdamW(
+                self.model,
+                weight_decay=self.trainer.weight_decay,
+                grad_clip=self.trainer.grad_clip,
+                tp_group=self.tp_group,
+                dp_group=self.dp_group,
+            )
+        else:  # pragma: no cover - needs CUDA
+            self.model.to(self.device)
+            self.module = wrap_for_gpu_training(self.model)
+            self.optimizer = MegatronAdam(
+                self.module,
+                lr=self.trainer.lr,
+                weight_decay=self.trainer.weight_decay,
+                grad_clip=self.trainer.grad_clip,
+                bf16=self.params_dtype == torch.bfloat16,
+            )
+
+    # --- computation -------------------------------------------------------------------------
+
+    def _vocab_logits(self, batch: TrainingBatch, temperature: float) -> torch.Tensor:
+        """This rank's vocabulary slice of the logits predicting each response token: ``[B, R, V/tp]``."""
+        ids, mask = batch.input_ids, batch.attention_mask
+        P, R = batch.prompt_len, batch.response_len
+        aligned, shift = left_align(ids, mask)
+        first = P - shift - 1  # aligned position whose logits predict response token 0
+        if bool(((first < 0) & mask[:, P].bool()).any()):
+            raise ValueError("a row has a response but no prompt token: its first response token has no context")
+        B, S = aligned.shape
+        positions = torch.arange(S, device=ids.device).expand(B, S)
+        # Local attention needs the causal mask spelled out (its default one is built on CUDA);
+        # Transformer Engine builds it from the layer's causal mask type.
+        causal = None if self.use_transformer_engine else torch.ones(S, S, dtype=torch.bool, device=ids.device).triu(1)[None, None]
+        logits = self.module(aligned, positions, attention_mask=causal)  # [B, S, V/tp]
+        index = (first.clamp_min(0).unsqueeze(1) + torch.arange(R, device=ids.device)).unsqueeze(-1)
+        logits = logits.gather(1, index.expand(B, R, logits.shape[-1]))
+        if temperature != 1.0:
+            logits = logits.float() / temperature
+        return logits
+
+    def _token_logprobs(self, logits: torch.Tensor, targets: torch.Tensor, site: str) -> torch.Tensor:
+        impl = self.ledger.impl("logprobs", site)
+        vocab = self.layout.vocab_size
+        if impl is not None and impl.name != DEFAULT_IMPLS["logprobs"].name:
+            # An installed implementation (IsoExec) sees the full logits, as at tensor parallel 1,
+            # so its result does not depend on the tensor-parallel degree.
+            return token_logprobs(vp.gather_vocab(logits, self.tp_group)[..., :vocab], targets, ledger=self.ledger)
+        if self.tp == 1:
+            return token_logprobs(logits[..., :vocab], targets, ledger=self.ledger)
+        return vp.vocab_parallel_logprobs(
+            logits, targets, vocab_start=self.tp_rank * self.vocab_width, vocab_size=vocab, group=self.tp_group
+        )
+
+    def _response_logprobs(
+        self, batch: TrainingBatch, temperature: float, site: str, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        R = batch.response_len
+        logits = self._vocab_logits(batch, temperature)
+        targets = batch.input_ids[:, -R:]
+        logprobs = self._token_logprobs(logits, targets, site)
+        real = batch.attention_mask[:, -R:].bool()
+        zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+        logprobs = torch.where(real, logprobs, zero)
+        entropy = None
+        if with_entropy:
+            entropy = vp.vocab_parallel_entropy(
+                logits,
+                vocab_start=self.tp_rank * self.vocab_width,
+                vocab_size=self.layout.vocab_size,
+                group=self.tp_group,
+            )
+            entropy = torch.where(real, entropy, zero)
+        return logprobs, entropy
+
+    def forward(self, part: TrainingBatch, temperature: float) -> torch.Tensor:
+        """Logprobs ``[b, R]`` (fp32, CPU) of this replica's rows."""
+        outputs = []
+        with torch.no_grad(), site_scope("trainer_score"):
+            for micro in part.split(self._micro_batch_size()) if len(part) else []:
+                logprobs, _ = self._response_logprobs(_on_device(micro, self.device), temperature, "trainer_score", False)
+                outputs.append(logprobs.float().cpu())
+        return torch.cat(outputs) if outputs else torch.zeros(0, part.response_len)
+
+    def forward_backward(self, part: TrainingBatch, loss_fn: LossFn, temperature: float) -> list[dict[str, float]]:
+        """Per micro-batch of this replica's rows: ``{**metrics, "loss": loss}``; gradients accumulate."""
+        wants_entropy = _accepts_keyword(loss_fn, "entropy")
+        results = []
+        for micro in part.split(self._micro_batch_size()) if len(part) else []:
+            micro = _on_device(micro, self.device)
+            with site_scope("trainer_forward"):
+                logprobs, entropy = self._response_logprobs(micro, temperature, "trainer_forward", wants_entropy)
+                extra = {"entropy": entropy} if wants_entropy else {}
+                loss, metrics = loss_fn(logprobs, micro, **extra)
+                loss.backward()
+            results.append({**{k: float(v) for k, v in metrics.items()}, "loss": float(loss.detach())})
+        return results
+
+    def _micro_batch_size(self) -> int:
+        return self.options.micro_batch_size or self.trainer.micro_batch_size
+
+    def optim_step(self) -> dict[str, float]:
+        lr = self.trainer.lr * lr_factor(
+            self.optimizer_steps,
+            schedule=self.trainer.lr_schedule,
+            warmup_steps=self.trainer.warmup_steps,
+            total_steps=self.total_optimizer_steps,
+        )
+        grad_norm = self.optimizer.step(lr)
+        self.optimizer_steps += 1
+        return {"grad_norm": grad_norm, "lr": lr}
+
+    # --- weights and state -------------------------------------------------------------------
+
+    def _local_weights(self) -> dict[str, torch.Tensor]:
+        return {name: p.detach().float().cpu() for name, p in self.model.named_parameters()}
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full fp32 weights by Hugging Face name on tensor-parallel rank 0 of replica 0 (``{}``
+        elsewhere). Collective over the tensor-parallel group."""
+        local = self._local_weights()
+        if self.tp == 1:
+            shards = [local]
+        else:
+            shards = [dict() for _ in range(self.tp)]
+            names = list(local)
+            for name in names:
+                parts = [torch.empty_like(local[name]) for _ in range(self.tp)]
+                dist.all_gather(parts, local[name].contiguous(), group=self.tp_group)
+                for r, part in enumerate(parts):
+                    shards[r][name] = part
+        if self.rank != 0:
+            return {}
+        return megatron_to_hf(shards, self.layout, fused_norms=self.use_transformer_engine)
+
+    def save_hf(self, path: str) -> None:
+        """Rank 0 writes ``config.json`` and ``model.safetensors`` into the existing ``path``. Collective."""
+        weights = self.hf_state_dict()
+        if self.rank == 0:
+            from skyrl_megatron.hf_dir import write_hf_dir
+
+            write_hf_dir(path, weights, self.hf_config, tied=self.layout.tied_embeddings)
+        dist.barrier()
+
+    def save_checkpoint(self, path: str) -> None:
+        """Each rank writes its shard, optimizer and RNG state; rank 0 the step and layout. Collective."""
+        state = {
+            "model": self._local_weights(),
+            "optimizer": self.optimizer.state_dict(),
+            "rng": _rng_state(),
+        }
+        torch.save(state, os.path.join(path, shard_file(self.rank)))
+        if self.rank == 0:
+            meta = {
+                "format": CHECKPOINT_FORMAT,
+                "optimizer_steps": self.optimizer_steps,
+                "tensor_parallel": self.tp,
+                "world_size": self.world_size,
+                "layout": attrs.asdict(self.layout),
+            }
+            torch.save(meta, os.path.join(path, TRAINER_STATE_FILE))
+        dist.barrier()
+
+    def load_checkpoint(self, path: str) -> None:
+        meta = torch.load(os.path.join(path, TRAINER_STATE_FILE), weights_only=False)
+        if meta.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(f"{path}: checkpoint format {meta.get('format')!r}, this backend reads {CHECKPOINT_FORMAT}")
+        if (meta["tensor_parallel"], meta["world_size"]) != (self.tp, self.world_size):
+            raise ValueError(
+                f"{path} was written with tensor_parallel={meta['tensor_parallel']}, world_size={meta['world_size']}; "
+                f"this backend runs tensor_parallel={self.tp}, world_size={self.world_size}. To change the layout, "
+                "start from a save_hf directory (model.path) instead"
+            )
+        state = torch.load(os.path.join(path, shard_file(self.rank)), weights_only=False)
+        load_parameters(self.model, state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.zero_grad()
+        self.optimizer_steps = int(meta["optimizer_steps"])
+        _set_rng_state(state["rng"])
+
+    def execution_contract(self) -> dict[str, Any]:
+        import megatron.core
+
+        return {
+            "ledger": self.ledger.as_dict(),
+            "backend": "megatron",
+            "tensor_parallel": self.tp,
+            "world_size": self.world_size,
+            "layer_spec": "transformer_engine" if self.use_transformer_engine else "local",
+            "dtype": str(self.params_dtype).removeprefix("torch."),
+            "device": self.device.type,
+            "torch": torch.__version__,
+            "megatron_core": megatron.core.__version__,
+            "threads": torch.get_num_threads(),
+        }
+
+    def ready(self) -> int:
+        return self.rank
+
+    def close(self) -> None:
+        global _active_rank
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        from megatron.core import parallel_state
+
+        for attr in ("optimizer", "module", "model"):
+            self.__dict__.pop(attr, None)
+        parallel_state.destroy_model_parallel()
+        if self._owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+        _active_rank = None
+
+
+def _rng_state() -> dict[str, Any]:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    torch.set_rng_state(state["torch"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

@@ -1,0 +1,26 @@
+"""The learning-rate schedule: a pure function of the optimizer step (the same one skyrl-fsdp uses,
+so both backends follow the same curve for the same trainer config)."""
+
+from __future__ import annotations
+
+import math
+
+SCHEDULES = ("constant", "cosine", "linear")
+
+
+def lr_factor(step: int, *, schedule: str, warmup_steps: int, total_steps: int) -> float:
+    """Multiplier of the peak LR at 0-based optimizer step ``step``.
+
+    Linear warm-up reaches the peak at step ``warmup_steps - 1``; then ``cosine`` and ``linear``
+    decay to 0 at ``total_steps`` and ``constant`` holds.
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"lr_schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    return 1.0 - progress
