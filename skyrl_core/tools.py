@@ -4,7 +4,9 @@ A model calls a tool by writing ``<name>argument</name>`` in its turn (``<sql>SE
 ``<search>capital of France</search>``). A ``Tool`` pairs that tag name with a description (shown
 to the model) and an executor (argument text -> observation text). A ``ToolBox`` finds the first
 call to any of its tools in a turn and runs it, turning executor exceptions into error text so
-that a bad call is an observation the model can react to, never a crash of the rollout.
+that a bad call is an observation the model can react to, never a crash of the rollout. The
+one exception is ``ToolUnavailable``: an executor raises it when the tool cannot work on this
+machine at all (a sandbox the OS cannot build), and that must stop the run, not train on it.
 
 An unclosed last tag (``<sql>SELECT 1`` at the very end of the text) counts as a call: engines
 usually strip the stop string, so a rollout that stops on ``</sql>`` hands over text without it.
@@ -21,6 +23,10 @@ import attrs
 def _check_tag_name(instance: object, attribute: attrs.Attribute, value: str) -> None:
     if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_\-]*", value):
         raise ValueError(f"tool name must be a tag-like word (letters, digits, _ or -), got {value!r}")
+
+
+class ToolUnavailable(RuntimeError):
+    """The tool cannot run on this machine; ``ToolBox.execute`` lets it propagate."""
 
 
 @attrs.frozen(kw_only=True)
@@ -97,14 +103,16 @@ class ToolBox:
         return calls[0] if calls else None
 
     def execute(self, call: ToolCall) -> str:
-        """Run ``call``; an exception in the executor becomes ``"Error: ..."`` text."""
+        """Run ``call``; an exception in the executor (but ``ToolUnavailable``) becomes ``"Error: ..."`` text."""
         tool = self.tools.get(call.name)
         if tool is None:
             return f"Error: unknown tool {call.name!r}; available: {', '.join(self.tools)}"
         try:
             return tool.run(call.argument)
+        except ToolUnavailable:
+            raise
         except Exception as error:  # the model sees its mistake instead of the rollout crashing
             return f"Error: {type(error).__name__}: {error}"
 
 
-__all__ = ["Tool", "ToolBox", "ToolCall", "find_tag_calls", "last_tag_content"]
+__all__ = ["Tool", "ToolBox", "ToolCall", "ToolUnavailable", "find_tag_calls", "last_tag_content"]

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import attrs
 
+from skyrl_core.tools import ToolUnavailable
 from skyrl_envs.sandbox.limits import SandboxLimits
 
 LAUNCHER = str(Path(__file__).with_name("launcher.py"))
@@ -40,7 +41,7 @@ PROGRAM_ENV = {
 KILL_GRACE_SECONDS = 2.0  # after a kill, how long to wait for the pipes to close
 
 
-class SandboxUnavailable(RuntimeError):
+class SandboxUnavailable(ToolUnavailable):
     """The sandbox cannot be built on this machine; the program was not run."""
 
 

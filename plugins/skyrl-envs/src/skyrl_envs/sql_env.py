@@ -1,0 +1,200 @@
+"""``sql``: text-to-SQL over a real SQLite database, multi-turn with an ``<sql>`` tool.
+
+Each row names its database: ``db_path`` (a file), or ``db_id`` looked up in ``db_dir`` as
+``<db_id>.sqlite``, ``<db_id>.db`` or ``<db_id>/<db_id>.sqlite`` (the Spider layout); the default
+``db_dir`` holds the shipped ``shop`` database. ``reward_spec.ground_truth`` is the gold query.
+
+Each turn the model either explores with ``<sql>query</sql>`` (it is shown the result or the
+error as the next user message) or ends with ``<solution>query</solution>``: reward 1.0 when that
+query's result equals the gold query's result as a multiset of rows (in order when
+``order_matters``; floats compared to 6 decimals; column names ignored), else 0.0. A turn
+with neither tag gets a reminder. After ``max_turns`` turns without a solution, reward 0.0.
+
+The database is opened read-only three ways (``mode=ro`` URI, ``PRAGMA query_only``, and an
+authorizer that allows only reading), so no query can change it; each statement runs under a
+time limit (a progress handler interrupts it) and results are cut to a row limit.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from skyrl_core.tools import Tool, ToolBox, find_tag_calls
+from skyrl_core.types import Message, StepResult
+from skyrl_envs.base import EpisodeEnv, ground_truth, prompt_messages
+
+SHIPPED_DB_DIR = Path(__file__).with_name("data") / "sql"
+READABLE_PRAGMAS = {"table_info", "table_xinfo", "index_list", "index_info", "foreign_key_list"}
+_ALLOWED_ACTIONS = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION,
+                    getattr(sqlite3, "SQLITE_RECURSIVE", 33)}
+_MAX_VALUE_BYTES = 1_000_000  # longest string or blob a query may build (SQLITE_LIMIT_LENGTH)
+
+
+class QueryError(Exception):
+    """A query failed: bad SQL, a refused action, the time limit, or too many rows."""
+
+
+def _positive(instance: Any, attribute: attrs.Attribute, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"sql option {attribute.name} must be a positive number, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class SQLOptions:
+    db_dir: str = attrs.field(default=str(SHIPPED_DB_DIR), metadata={"help": "directory of <db_id>.sqlite files"})
+    max_turns: int = attrs.field(default=5, validator=_positive, metadata={"help": "turns before the episode ends"})
+    timeout_seconds: float = attrs.field(default=1.0, validator=_positive,
+                                         metadata={"help": "time limit of each statement"})
+    max_rows_shown: int = attrs.field(default=20, validator=_positive, metadata={"help": "rows shown per <sql> result"})
+    max_result_rows: int = attrs.field(default=10_000, validator=_positive,
+                                       metadata={"help": "largest result a <solution> or gold query may have"})
+    max_observation_chars: int = attrs.field(default=3000, validator=_positive,
+                                             metadata={"help": "observations are cut to this length"})
+    order_matters: bool = attrs.field(default=False, metadata={"help": "compare results as ordered lists"})
+
+
+def _authorize(action: int, arg1: str | None, arg2: str | None, db_name: str | None, trigger: str | None) -> int:
+    if action in _ALLOWED_ACTIONS:
+        return sqlite3.SQLITE_OK
+    if action == sqlite3.SQLITE_PRAGMA and arg1 and arg1.lower() in READABLE_PRAGMAS:
+        return sqlite3.SQLITE_OK
+    return sqlite3.SQLITE_DENY
+
+
+def open_read_only(path: str | Path) -> sqlite3.Connection:
+    """A connection that can only read ``path``: ``mode=ro``, ``query_only``, a read-only authorizer."""
+    path = Path(path).resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"no SQLite database at {path}")
+    connection = sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True, isolation_level=None, check_same_thread=False)
+    connection.execute("PRAGMA query_only = ON")
+    if hasattr(connection, "setlimit"):  # Python 3.11+
+        connection.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, _MAX_VALUE_BYTES)
+        connection.setlimit(sqlite3.SQLITE_LIMIT_ATTACHED, 0)
+    connection.set_authorizer(_authorize)
+    return connection
+
+
+def run_query(connection: sqlite3.Connection, sql: str, *, timeout_seconds: float,
+              max_rows: int) -> tuple[list[str], list[tuple], bool]:
+    """``(column names, rows, truncated)`` of one statement, at most ``max_rows`` rows.
+
+    Raises ``QueryError`` for bad SQL, refused actions, several statements, or the time limit.
+    """
+    deadline = time.monotonic() + timeout_seconds
+    connection.set_progress_handler(lambda: int(time.monotonic() > deadline), 1000)
+    try:
+        cursor = connection.execute(sql)
+        rows = cursor.fetchmany(max_rows + 1)
+        columns = [d[0] for d in cursor.description or ()]
+        cursor.close()
+    except sqlite3.OperationalError as error:
+        if str(error) == "interrupted":
+            raise QueryError(f"the query ran longer than {timeout_seconds:g} s and was stopped") from None
+        raise QueryError(str(error)) from None
+    except (sqlite3.Error, sqlite3.Warning, ValueError, OverflowError) as error:
+        raise QueryError(str(error)) from None
+    finally:
+        connection.set_progress_handler(None, 1000)
+    return columns, rows[:max_rows], len(rows) > max_rows
+
+
+def _comparable(value: Any) -> Any:
+    if isinstance(value, float):
+        value = round(value, 6)
+        return int(value) if value.is_integer() else value
+    return value
+
+
+def results_equal(predicted: list[tuple], gold: list[tuple], *, order_matters: bool) -> bool:
+    """Equal as multisets of rows (or lists when ``order_matters``), floats to 6 decimals."""
+    left = [tuple(_comparable(v) for v in row) for row in predicted]
+    right = [tuple(_comparable(v) for v in row) for row in gold]
+    return left == right if order_matters else Counter(left) == Counter(right)
+
+
+def format_result(columns: list[str], rows: list[tuple], truncated: bool, limit_chars: int) -> str:
+    lines = [" | ".join(columns)] + [" | ".join("NULL" if v is None else str(v) for v in row) for row in rows]
+    note = f"({len(rows)} rows{', more not shown' if truncated else ''})"
+    text = "\n".join(lines + [note])
+    return text if len(text) <= limit_chars else text[:limit_chars] + "\n...(cut)"
+
+
+class SQLEnv(EpisodeEnv):
+    options_class = SQLOptions
+    name = "sql"
+
+    def __init__(self, **options: Any):
+        super().__init__(**options)
+        self._connection: sqlite3.Connection | None = None
+        self._tools = ToolBox([Tool(name="sql", description="run one read-only SQLite query and see its result",
+                                    run=self._explore)])
+
+    def database_path(self, sample: dict[str, Any]) -> Path:
+        """Where the row's database is (``db_path``, or ``db_id`` under ``db_dir``)."""
+        if sample.get("db_path"):
+            return Path(sample["db_path"])
+        db_id = sample.get("db_id")
+        if not db_id:
+            raise ValueError("sql: the row needs a 'db_id' (or 'db_path') column")
+        root = Path(self.options.db_dir)
+        candidates = [root / f"{db_id}.sqlite", root / f"{db_id}.db", root / db_id / f"{db_id}.sqlite"]
+        for candidate in candidates:
+            if candidate.is_file():
+                return candidate
+        raise FileNotFoundError(f"sql: no database for db_id {db_id!r}; looked for {', '.join(map(str, candidates))}")
+
+    def start(self, sample: dict[str, Any]) -> list[Message]:
+        gold_sql = str(ground_truth(sample, self.name))
+        messages = prompt_messages(sample, self.name)
+        self._connection = open_read_only(self.database_path(sample))
+        try:
+            _, self._gold_rows, too_many = run_query(self._connection, gold_sql, timeout_seconds=self.options.timeout_seconds * 5,
+                                                     max_rows=self.options.max_result_rows)
+        except QueryError as error:
+            raise ValueError(f"sql: the gold query of this row fails: {error}: {gold_sql!r}") from None
+        if too_many:
+            raise ValueError(f"sql: the gold query returns more than {self.options.max_result_rows} rows: {gold_sql!r}")
+        return messages
+
+    def judge(self, action_text: str) -> StepResult:
+        solutions = find_tag_calls(action_text, ["solution"])
+        if solutions:
+            return self._grade(solutions[-1].argument)
+        call = self._tools.first_call(action_text)
+        if self.turn >= self.options.max_turns:
+            return self.finish(0.0, reason="max_turns")
+        if call is None:
+            return self.observe("No <sql> query or <solution> found. Write <sql>...</sql> to run a query, "
+                                "or <solution>...</solution> to answer.", reason="no_tool_call")
+        return self.observe(self._tools.execute(call), reason="sql")
+
+    def close(self) -> None:
+        if self._connection is not None:
+            self._connection.close()
+            self._connection = None
+
+    def _explore(self, sql: str) -> str:
+        try:
+            columns, rows, truncated = run_query(self._connection, sql, timeout_seconds=self.options.timeout_seconds,
+                                                 max_rows=self.options.max_rows_shown)
+        except QueryError as error:
+            return f"Error: {error}"
+        return format_result(columns, rows, truncated, self.options.max_observation_chars)
+
+    def _grade(self, sql: str) -> StepResult:
+        try:
+            _, rows, too_many = run_query(self._connection, sql, timeout_seconds=self.options.timeout_seconds,
+                                          max_rows=self.options.max_result_rows)
+        except QueryError as error:
+            return self.finish(0.0, reason="solution_error", error=str(error))
+        if too_many:
+            return self.finish(0.0, reason="solution_too_large")
+        correct = results_equal(rows, self._gold_rows, order_matters=self.options.order_matters)
+        return self.finish(1.0 if correct else 0.0, reason="solution")
