@@ -105,3 +105,28 @@ def test_options_validate_directly():
         O.PPOOptions(norm_len=0)
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         O.PPOOptions().eps_low = 0.3  # type: ignore[misc]
+
+
+def test_docs_have_a_section_per_algorithm_with_its_true_defaults():
+    """docs/algorithms.md names every registered algorithm, and every `option=default` it writes in a
+    section matches the options class; every option (bar the shared reduction ones) is documented."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "algorithms.md").read_text()
+    for rec in records():
+        match = re.search(rf"^### `{re.escape(rec.name)}`\n(.*?)(?=^##)", text, re.S | re.M)
+        assert match, f"no section for {rec.name}"
+        documented = dict(re.findall(r"`(\w+)=([^`]+)`", match.group(1)))
+        fields = {f.name: f.default for f in attrs.fields(rec.load_options_class())}
+        for name, default in fields.items():
+            if name in ("loss_reduction", "norm_len") and name not in documented:
+                continue
+            assert name in documented, f"{rec.name}: option {name} is not documented"
+            written = documented[name]
+            if isinstance(default, bool):
+                assert written == str(default).lower(), (rec.name, name)
+            elif isinstance(default, str):
+                assert written == f'"{default}"', (rec.name, name)
+            else:
+                assert float(written) == default, (rec.name, name, written, default)
