@@ -154,6 +154,10 @@ class RolloutConfig:
     max_turns: int = attrs.field(default=1, validator=_positive, metadata=_help("max model turns per episode"))
     stepwise: bool = attrs.field(default=False, metadata=_help("one training sample per turn"))
     max_prompt_tokens: int = attrs.field(default=512, validator=_positive, metadata=_help("prompt tokens cap"))
+    max_response_tokens: int | None = attrs.field(
+        default=None, validator=_positive,
+        metadata=_help("cap on an episode's response tokens over all turns, model and environment (default: no cap)"),
+    )
 
 
 @attrs.frozen(kw_only=True)

