@@ -132,7 +132,7 @@ class PolicyLossFn:
         *,
         token_weights: torch.Tensor | None = None,
         group_ids: Sequence[Any] | None = None,
-        **unused: Any,
+        **unused: Any,  # keywords other losses take (values, returns): a trainer passes one set to any loss
     ) -> tuple[torch.Tensor, dict[str, float]]:
         inputs = LossInputs(self.name, logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs, **self._needs)
         per_token_loss, metrics = self._per_token(inputs)
