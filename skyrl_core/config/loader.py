@@ -113,7 +113,8 @@ class _Walker:
                     field.validator(None, field, value)
                 except (ValueError, TypeError) as exc:
                     allowed = tuple(map(str, getattr(field.validator, "allowed", ())))
-                    self.fail(_join(path, name), f"{show(value)} is invalid: {exc}", allowed, suggest(str(value), allowed) if allowed else None)
+                    given = data[name]
+                    self.fail(_join(path, name), f"{show(given)} is invalid: {exc}", allowed, suggest(str(given), allowed) if allowed else None)
                     ok = False
                     continue
             kwargs[name] = value
