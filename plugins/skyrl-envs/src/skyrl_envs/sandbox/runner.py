@@ -69,6 +69,8 @@ def run_python(program: str, stdin: str = "", limits: SandboxLimits = SandboxLim
     python = python or sys.executable
     stage = tempfile.mkdtemp(prefix="skyrl-sandbox-")
     status_read, status_write = os.pipe()
+    process: subprocess.Popen | None = None
+    streams: _Streams | None = None
     try:
         config = _launcher_config(program, python, limits)
         Path(stage, "config.json").write_text(json.dumps(config), encoding="utf-8")
@@ -90,6 +92,14 @@ def run_python(program: str, stdin: str = "", limits: SandboxLimits = SandboxLim
         wall_seconds = time.monotonic() - started
         statuses = [json.loads(line) for line in streams.status.decode().splitlines() if line.strip()]
     finally:
+        if process is not None and process.poll() is None:  # an error of ours: leave nothing running
+            _kill_group(process.pid)
+            process.wait()
+        if streams is not None:
+            streams.close()
+        elif process is not None:
+            for pipe in (process.stdin, process.stdout, process.stderr):
+                pipe.close()
         for fd in (status_read, status_write):
             if fd >= 0:
                 os.close(fd)
@@ -166,13 +176,13 @@ class _Streams:
         self.truncated = False
         self._cap = cap
         self._stdin = memoryview(stdin)
+        self._process = process
         self._selector = selectors.DefaultSelector()
         for name, stream in (("stdout", process.stdout), ("stderr", process.stderr)):
             os.set_blocking(stream.fileno(), False)
             self._selector.register(stream.fileno(), selectors.EVENT_READ, name)
         self._selector.register(status_fd, selectors.EVENT_READ, "status")
         self._stdin_fd = process.stdin.fileno()
-        self._stdin_file = process.stdin
         os.set_blocking(self._stdin_fd, False)
         self._selector.register(self._stdin_fd, selectors.EVENT_WRITE, "stdin")
         if not stdin:
@@ -196,6 +206,12 @@ class _Streams:
                 return True
         return True
 
+    def close(self) -> None:
+        """Close the selector and our ends of the program's pipes (not the status fd: the caller's)."""
+        self._selector.close()
+        for stream in (self._process.stdin, self._process.stdout, self._process.stderr):
+            stream.close()
+
     def _write_stdin(self) -> None:
         try:
             written = os.write(self._stdin_fd, self._stdin[:65536])
@@ -211,7 +227,7 @@ class _Streams:
     def _close_stdin(self) -> None:
         if self._stdin_fd in self._selector.get_map():
             self._selector.unregister(self._stdin_fd)
-        self._stdin_file.close()
+        self._process.stdin.close()
 
     def _read(self, key: selectors.SelectorKey) -> None:
         try:
