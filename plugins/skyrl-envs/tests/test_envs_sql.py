@@ -1,0 +1,161 @@
+import hashlib
+import shutil
+import time
+
+import pytest
+
+from skyrl_core.data import load_dataset
+from skyrl_envs.sql_env import SHIPPED_DB_DIR, SQLEnv, results_equal
+
+SHOP_ROWS = load_dataset(SHIPPED_DB_DIR / "shop.jsonl")
+LISBON = SHOP_ROWS[0]  # How many customers live in Lisbon?
+TIMEOUT = 0.5
+
+
+@pytest.fixture
+def db_dir(tmp_path):
+    """A copy of the shop database that the file system would let anyone write."""
+    shutil.copy(SHIPPED_DB_DIR / "shop.sqlite", tmp_path / "shop.sqlite")
+    (tmp_path / "shop.sqlite").chmod(0o666)
+    return tmp_path
+
+
+def digest(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def make_env(db_dir, **options):
+    return SQLEnv(db_dir=str(db_dir), timeout_seconds=TIMEOUT, **options)
+
+
+@pytest.mark.parametrize("solution, reward", [
+    ("SELECT COUNT(*) FROM customers WHERE city = 'Lisbon'", 1.0),
+    ("select count(id) from customers where city like 'lisbon'", 1.0),   # another query, same result
+    ("SELECT COUNT(*) FROM customers", 0.0),                              # wrong result
+    ("SELECT COUNT(*) FROM customer WHERE", 0.0),                         # malformed SQL
+])
+def test_solution_reward(db_dir, solution, reward):
+    env = make_env(db_dir)
+    messages = env.reset(LISBON)
+    assert "CREATE TABLE customers" in messages[1]["content"]
+    result = env.step(f"I think <solution>{solution}</solution>")
+    assert (result.reward, result.done) == (reward, True)
+
+
+def test_explore_then_solve(db_dir):
+    env = make_env(db_dir)
+    env.reset(SHOP_ROWS[1])  # books
+    seen = env.step("<sql>SELECT name, category FROM products WHERE category = 'books'</sql>")
+    assert not seen.done and seen.reward == 0.0
+    assert seen.observation[0]["content"].splitlines() == ["name | category", "atlas | books", "cookbook | books",
+                                                           "novel | books", "(3 rows)"]
+    error = env.step("<sql>SELECT nme FROM products</sql>")
+    assert "Error: no such column: nme" in error.observation[0]["content"] and not error.done
+    schema = env.step("<sql>PRAGMA table_info(products)</sql>")
+    assert "price" in schema.observation[0]["content"]
+    done = env.step("<solution>SELECT name FROM products WHERE category = 'books' ORDER BY price</solution>")
+    assert (done.reward, done.done, done.info["turn"]) == (1.0, True, 4)
+
+
+def test_a_turn_without_a_tag_gets_a_reminder_and_turns_run_out(db_dir):
+    env = make_env(db_dir, max_turns=2)
+    env.reset(LISBON)
+    first = env.step("Let me think about it.")
+    assert not first.done and "No <sql> query or <solution>" in first.observation[0]["content"]
+    last = env.step("<sql>SELECT 1</sql>")
+    assert (last.done, last.reward, last.info["reason"]) == (True, 0.0, "max_turns")
+
+
+WRITES = [
+    "DELETE FROM customers",
+    "DROP TABLE orders",
+    "INSERT INTO customers VALUES (99, 'Mallory', 'Oslo', 2024)",
+    "UPDATE products SET price = 0",
+    "CREATE TABLE pwned (x)",
+    "CREATE INDEX pwned ON customers(city)",
+    "ALTER TABLE customers ADD COLUMN pwned",
+    "ATTACH DATABASE '{dir}/other.db' AS other",
+    "PRAGMA query_only = OFF",
+    "PRAGMA journal_mode = WAL",
+    "PRAGMA user_version = 7",
+    "VACUUM",
+    "VACUUM INTO '{dir}/copy.db'",
+    "REINDEX",
+    "BEGIN IMMEDIATE",
+    "SELECT 1; DROP TABLE customers",
+    "WITH x AS (SELECT 1) DELETE FROM customers",
+    "SELECT load_extension('/tmp/evil.so')",
+]
+
+
+@pytest.mark.parametrize("statement", WRITES)
+def test_writes_are_refused_and_the_database_is_unchanged(db_dir, statement):
+    database = db_dir / "shop.sqlite"
+    before = digest(database)
+    statement = statement.format(dir=db_dir)
+    env = make_env(db_dir, max_turns=3)
+    env.reset(LISBON)
+    explored = env.step(f"<sql>{statement}</sql>")
+    assert explored.observation[0]["content"].startswith("Error:"), explored.observation
+    solved = env.step(f"<solution>{statement}</solution>")
+    assert (solved.done, solved.reward) == (True, 0.0)
+    assert digest(database) == before
+    assert sorted(p.name for p in db_dir.iterdir()) == ["shop.sqlite"]  # no journal, WAL or new database
+
+
+def test_control_the_same_writes_succeed_on_a_normal_connection(db_dir):
+    import sqlite3
+
+    database = db_dir / "shop.sqlite"
+    before = digest(database)
+    connection = sqlite3.connect(database)
+    connection.execute(WRITES[0])
+    connection.commit()
+    connection.close()
+    assert digest(database) != before
+
+
+def test_a_slow_query_ends_with_an_error_observation(db_dir):
+    env = make_env(db_dir, max_turns=3)
+    env.reset(LISBON)
+    started = time.monotonic()
+    result = env.step("<sql>WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT COUNT(*) FROM c</sql>")
+    assert time.monotonic() - started < TIMEOUT + 2.0
+    assert result.observation[0]["content"] == f"Error: the query ran longer than {TIMEOUT:g} s and was stopped"
+    assert not result.done
+    huge = env.step("<sql>WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c LIMIT 10000000) "
+                    "SELECT group_concat(x) FROM c</sql>")
+    assert huge.observation[0]["content"].startswith("Error:")
+    assert env.step("<solution>SELECT COUNT(*) FROM customers WHERE city = 'Lisbon'</solution>").reward == 1.0
+
+
+def test_long_results_are_cut(db_dir):
+    env = make_env(db_dir, max_rows_shown=5)
+    env.reset(LISBON)
+    shown = env.step("<sql>SELECT id FROM orders</sql>").observation[0]["content"].splitlines()
+    assert shown == ["id", "1", "2", "3", "4", "5", "(5 rows, more not shown)"]
+
+
+def test_result_comparison():
+    assert results_equal([(1, "a"), (2, "b")], [(2, "b"), (1, "a")], order_matters=False)
+    assert not results_equal([(1, "a"), (2, "b")], [(2, "b"), (1, "a")], order_matters=True)
+    assert results_equal([(0.1 + 0.2,)], [(0.3,)], order_matters=True)
+    assert results_equal([(3.0,)], [(3,)], order_matters=True)
+    assert not results_equal([(1,), (1,)], [(1,)], order_matters=False)  # multisets, not sets
+    assert not results_equal([(1, None)], [(1, 0)], order_matters=False)
+
+
+def test_databases_are_found_by_db_id_or_path(db_dir, tmp_path_factory):
+    spider = tmp_path_factory.mktemp("spider")
+    (spider / "shop").mkdir()
+    shutil.copy(db_dir / "shop.sqlite", spider / "shop" / "shop.sqlite")
+    env = SQLEnv(db_dir=str(spider))
+    env.reset(LISBON)
+    assert env.step("<solution>SELECT 4</solution>").reward == 1.0
+    env = SQLEnv(db_dir=str(spider))
+    env.reset({**LISBON, "db_id": None, "db_path": str(db_dir / "shop.sqlite")})
+    assert env.step("<solution>SELECT 4</solution>").reward == 1.0
+    with pytest.raises(FileNotFoundError, match="no database for db_id 'nope'"):
+        SQLEnv(db_dir=str(spider)).reset({**LISBON, "db_id": "nope"})
+    with pytest.raises(ValueError, match="gold query of this row fails"):
+        SQLEnv().reset({**LISBON, "reward_spec": {"ground_truth": "SELECT * FROM nowhere"}})
