@@ -40,7 +40,12 @@ def problems(env, count):
 def test_an_empty_row_gets_a_seeded_problem_of_its_own():
     assert problems(ArithmeticEnv(seed=3), 5) == problems(ArithmeticEnv(seed=3), 5)  # same seed, same problems
     assert problems(ArithmeticEnv(seed=3), 5) != problems(ArithmeticEnv(seed=4), 5)
-    assert len(set(problems(ArithmeticEnv(seed=3), 5))) > 1  # the generator advances
+    assert len(set(problems(ArithmeticEnv(seed=3), 5))) > 1  # one instance moves on
+    # fresh instances (one per episode, as the rollout makes them) agree on a row's problem ...
+    group = [ArithmeticEnv().reset({"extra_info": {"index": 7}}) for _ in range(4)]
+    assert all(messages == group[0] for messages in group)
+    # ... and different rows get different problems
+    assert len({ArithmeticEnv().reset({"extra_info": {"index": i}})[0]["content"] for i in range(10)}) > 5
     env = ArithmeticEnv(seed=3, min_operand=10, max_operand=20)
     content = env.reset({})[0]["content"]
     a, b = (int(x) for x in content.removeprefix("What is ").split("?")[0].split(" + "))

@@ -84,3 +84,8 @@ def test_answer_matching():
     assert not exact_match(None, ["x"]) and not exact_match("", [""])
     with pytest.raises(ValueError, match="target"):
         accepted_answers({"answer": "x"})
+
+
+def test_environments_share_one_open_index(index_dir):
+    first, second = SearchEnv(index_dir=index_dir), SearchEnv(index_dir=index_dir)
+    assert first.index is second.index  # a fresh environment per episode does not reopen the index

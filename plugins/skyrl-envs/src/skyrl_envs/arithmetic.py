@@ -7,11 +7,17 @@ as 1234); the reward is 1.0 when it equals the ground truth, else 0.0.
 
 Rows come from ``arithmetic_rows`` / ``write_arithmetic_splits`` (deterministic, seeded, train and
 eval disjoint), from any dataset with ``reward_spec.ground_truth``, or are made up by the
-environment itself when ``reset`` gets a row without a ``prompt``.
+environment itself when ``reset`` gets a row without a ``prompt``: from the row's
+``extra_info`` ``a``/``b``/``op`` when present, else drawn at random from a generator seeded by
+``seed``, the row's content and the number of episodes this instance has run. So fresh
+instances given one row agree on its problem (the episodes of a GRPO group must), different
+rows (``{"extra_info": {"index": 7}}``) get different problems, and an instance reset again
+with the same row moves on to a new one.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import re
 from pathlib import Path
@@ -46,7 +52,7 @@ class ArithmeticOptions:
                                    metadata={"help": "largest operand of generated problems"})
     operations: tuple[str, ...] = attrs.field(default=("+",), converter=tuple, validator=_check_operations,
                                               metadata={"help": "operators to draw from: +, -, *"})
-    seed: int = attrs.field(default=0, metadata={"help": "seed of problems made up for rows without a prompt"})
+    seed: int = attrs.field(default=0, metadata={"help": "seed of problems made up for rows without a prompt or operands"})
 
 
 def parse_integer_answer(text: str) -> int | None:
@@ -105,7 +111,7 @@ class ArithmeticEnv(EpisodeEnv):
 
     def __init__(self, **options: Any):
         super().__init__(**options)
-        self._rng = random.Random(self.options.seed)
+        self._episodes = 0
         self._answer: int | None = None
 
     def start(self, sample: dict[str, Any]) -> list[Message]:
@@ -121,9 +127,10 @@ class ArithmeticEnv(EpisodeEnv):
             row = problem_row(int(info["a"]), int(info["b"]), info["op"])
         else:
             opts = self.options
-            row = problem_row(self._rng.randint(opts.min_operand, opts.max_operand),
-                              self._rng.randint(opts.min_operand, opts.max_operand),
-                              self._rng.choice(opts.operations))
+            rng = random.Random(f"{opts.seed}:{json.dumps(sample, sort_keys=True, default=str)}:{self._episodes}")
+            row = problem_row(rng.randint(opts.min_operand, opts.max_operand),
+                              rng.randint(opts.min_operand, opts.max_operand), rng.choice(opts.operations))
+        self._episodes += 1
         self.sample = {**sample, **row}  # the episode's row records the problem it made up
         self._answer = int(row["reward_spec"]["ground_truth"])
         return prompt_messages(row, self.name)

@@ -21,7 +21,7 @@ from skyrl_envs.code_env import extract_program
 from skyrl_envs.math_answers import as_number
 from skyrl_envs.qa import accepted_answers, exact_match
 from skyrl_envs.sandbox.limits import SandboxLimits
-from skyrl_envs.search_index import SHIPPED_CORPUS, SearchIndex
+from skyrl_envs.search_index import SHIPPED_CORPUS, shared_index
 from skyrl_envs.search_env import search_tool
 
 INSTRUCTIONS = (
@@ -88,7 +88,7 @@ class MultiToolEnv(EpisodeEnv):
 
     def __init__(self, **options: Any):
         super().__init__(**options)
-        self.index = SearchIndex(self.options.corpus_path, self.options.index_dir or None)
+        self.index = shared_index(self.options.corpus_path, self.options.index_dir or None)
         self._tools = ToolBox([
             search_tool(self.index, self.options.top_k, self.options.max_passage_chars),
             Tool(name="python", description="run a Python program and see what it prints", run=self._run_python),

@@ -17,7 +17,7 @@ from skyrl_core.tools import Tool, ToolBox, find_tag_calls
 from skyrl_core.types import Message, StepResult
 from skyrl_envs.base import EpisodeEnv, ground_truth, prompt_messages
 from skyrl_envs.qa import accepted_answers, exact_match
-from skyrl_envs.search_index import SHIPPED_CORPUS, SearchIndex
+from skyrl_envs.search_index import SHIPPED_CORPUS, SearchIndex, shared_index
 
 INSTRUCTIONS = (
     "Answer the question. You can search a document collection by writing <search>your query</search>; "
@@ -87,7 +87,7 @@ class SearchEnv(EpisodeEnv):
 
     def __init__(self, **options: Any):
         super().__init__(**options)
-        self.index = SearchIndex(self.options.corpus_path, self.options.index_dir or None)
+        self.index = shared_index(self.options.corpus_path, self.options.index_dir or None)
         self._tools = ToolBox([search_tool(self.index, self.options.top_k, self.options.max_passage_chars)])
 
     def start(self, sample: dict[str, Any]) -> list[Message]:

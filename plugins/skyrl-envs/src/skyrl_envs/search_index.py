@@ -3,7 +3,8 @@
 Corpus lines are ``{"id": ..., "title": ..., "text": ...}`` (or upstream's ``{"id", "contents"}``).
 The index is built once per corpus content into ``index_dir`` (a file named after the corpus's
 hash, written to a temporary name and renamed, so concurrent builders never see half an index)
-and then opened read-only.
+and then opened read-only. ``shared_index`` hands every environment of a process the same open
+index (environments are built afresh for each episode).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import os
 import re
 import sqlite3
 import tempfile
+import threading
+from functools import lru_cache
 from pathlib import Path
 
 SHIPPED_CORPUS = Path(__file__).with_name("data") / "search" / "corpus.jsonl"
@@ -58,6 +61,7 @@ class SearchIndex:
             self._build(corpus_path, index_dir)
         self._connection = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, check_same_thread=False)
         self._connection.execute("PRAGMA query_only = ON")
+        self._lock = threading.Lock()  # one connection, shared by the environments of all threads
 
     def _build(self, corpus_path: Path, index_dir: Path) -> None:
         passages = _passages(corpus_path)
@@ -81,10 +85,23 @@ class SearchIndex:
         if not words:
             return []
         match = " OR ".join(f'"{word}"' for word in words)  # quoted: no FTS5 syntax from the model
-        rows = self._connection.execute(
-            "SELECT title, text FROM passages WHERE passages MATCH ? ORDER BY bm25(passages) LIMIT ?", (match, k)
-        ).fetchall()
+        with self._lock:
+            rows = self._connection.execute(
+                "SELECT title, text FROM passages WHERE passages MATCH ? ORDER BY bm25(passages) LIMIT ?", (match, k)
+            ).fetchall()
         return [(title, text) for title, text in rows]
 
     def close(self) -> None:
         self._connection.close()
+
+
+def shared_index(corpus_path: str | Path, index_dir: str | Path | None = None) -> SearchIndex:
+    """One ``SearchIndex`` per corpus file version and index directory, for the whole process."""
+    corpus_path = Path(corpus_path).resolve()
+    stat = corpus_path.stat() if corpus_path.is_file() else None
+    return _cached_index(str(corpus_path), stat and (stat.st_mtime_ns, stat.st_size), str(index_dir or ""))
+
+
+@lru_cache(maxsize=16)
+def _cached_index(corpus_path: str, version: tuple[int, int] | None, index_dir: str) -> SearchIndex:
+    return SearchIndex(corpus_path, index_dir or None)
