@@ -6,9 +6,10 @@ from __future__ import annotations
 import torch
 
 
-def logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """fp32 log-softmax over the vocabulary, gathered at ``token_ids``."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
+def logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """fp32 log-softmax of ``logits / temperature`` over the vocabulary, gathered at ``token_ids``."""
+    scaled = logits.float() if temperature == 1.0 else logits.float() / temperature
+    logp = torch.log_softmax(scaled, dim=-1)
     return logp.gather(-1, token_ids.long().unsqueeze(-1)).squeeze(-1)
 
 

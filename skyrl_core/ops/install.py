@@ -37,12 +37,16 @@ def install_op(op: str, site: str, impl: OpImplSpec | None = None, *, plugin_man
     return chosen or impl or DEFAULT_IMPLS[op]
 
 
-def prepare_model(model: Any, role: str, *, plugin_manager: Any = None) -> OpLedger:
+def prepare_model(model: Any, role: str, *, plugin_manager: Any = None, compute_dtype: Any = None) -> OpLedger:
     """Install every op at every site of ``role`` for ``model``; return the ledger.
 
     With only default implementations installed the model is left untouched. When a plugin
-    substitutes implementations, their factories are imported and each is given the chance to patch
-    ``model`` (a factory's ``patch(model, ledger)`` attribute, if any) once.
+    substitutes an implementation at any site, the model's modules are patched once
+    (``skyrl_core.ops.hf.patch_hf_model``) so that each op dispatches, per call, to the
+    implementation installed at the current site. ``model`` may be None (declare only, e.g. for a
+    contract) or a transformers causal LM. ``compute_dtype`` is the dtype the runtime computes in
+    when it differs from the parameters' (e.g. bf16 compute over fp32 master weights); it is
+    recorded as ``ledger.meta["dtype"]``.
     """
     if role not in ROLE_SITES:
         raise ValueError(f"unknown role {role!r}; roles are {', '.join(ROLE_SITES)}")
@@ -50,28 +54,40 @@ def prepare_model(model: Any, role: str, *, plugin_manager: Any = None) -> OpLed
     for site in ROLE_SITES[role]:
         for op in OPS:
             ledger.declare(op, site, install_op(op, site, plugin_manager=plugin_manager))
-    patched: set[str] = set()
-    for impl in ledger.declared.values():
-        if impl.name in patched or impl.name == DEFAULT_IMPLS[impl.op].name:
-            continue
-        patched.add(impl.name)
-        patch = getattr(impl.load_factory(), "patch", None)
-        if patch is not None and model is not None:
-            patch(model, ledger)
     if model is not None:
+        params = getattr(model, "parameters", None)
+        dtype = next((p.dtype for p in params() if p.is_floating_point()), None) if params else None
+        ledger.meta.update(architecture=type(model).__name__.removeprefix("FSDP"), dtype=str(dtype).removeprefix("torch."))
+        stock = all(impl.name == DEFAULT_IMPLS[impl.op].name for impl in ledger.declared.values())
+        if not stock:
+            from skyrl_core.ops.hf import patch_hf_model
+
+            patch_hf_model(model, ledger)
         model._skyrl_op_ledger = ledger
+    if compute_dtype is not None:
+        ledger.meta["dtype"] = str(compute_dtype).removeprefix("torch.")
     return ledger
 
 
-def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, *, ledger: OpLedger | None = None) -> torch.Tensor:
-    """Log-probability of ``token_ids`` under ``logits`` (``[..., V]`` -> ``[...]``), via the
-    ``logprobs`` implementation installed at the current site (stock: fp32 log-softmax + gather)."""
+def token_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, *, ledger: OpLedger | None = None, temperature: float = 1.0
+) -> torch.Tensor:
+    """Log-probability of ``token_ids`` under ``logits / temperature`` (``[..., V]`` -> ``[...]``), via
+    the ``logprobs`` implementation installed at the current site (stock: fp32 log-softmax + gather).
+
+    Pass raw model logits and the temperature, never pre-scaled logits: the implementation owns the
+    scaling (in fp32), so that every runtime rounds the same way.
+    """
+    from skyrl_core.ops.hf import UNSCOPED
+
     site = current_site()
     impl = ledger.impl("logprobs", site) if (ledger is not None and site is not None) else None
-    if impl is None or impl.name == DEFAULT_IMPLS["logprobs"].name:
+    stock = impl is None or impl.name == DEFAULT_IMPLS["logprobs"].name
+    if ledger is not None:
+        observed_site = site if impl is not None else UNSCOPED
+        ledger.observe("logprobs", observed_site, DEFAULT_IMPLS["logprobs"].name if stock else impl.name)
+    if stock:
         from skyrl_core.ops.defaults import logprobs
 
-        return logprobs(logits, token_ids)
-    if ledger is not None and site is not None:
-        ledger.observe("logprobs", site, impl.name)
-    return impl.load_factory()(logits, token_ids)
+        return logprobs(logits, token_ids, temperature)
+    return impl.load_factory()(logits, token_ids, temperature)

@@ -15,12 +15,14 @@ class OpLedger:
     """Declared implementations per (op, site) and counts of calls observed per (op, site, impl).
 
     ``declared`` feeds the execution contract; ``observed`` feeds the fingerprint check that what
-    ran is what was declared.
+    ran is what was declared. ``meta`` describes the model the ops were installed into (filled by
+    ``skyrl_core.ops.hf.patch_hf_model``: architecture, dtype, op_modules, unpatched).
     """
 
     role: str
     declared: dict[tuple[str, str], OpImplSpec] = attrs.field(factory=dict)
     observed: collections.Counter = attrs.field(factory=collections.Counter)
+    meta: dict[str, Any] = attrs.field(factory=dict)
 
     def declare(self, op: str, site: str, impl: OpImplSpec) -> None:
         self.declared[(op, site)] = impl
@@ -32,12 +34,25 @@ class OpLedger:
         self.observed[(op, site, impl_name)] += 1
 
     def as_dict(self) -> dict[str, Any]:
-        """JSON-able view: ``{"op@site": {"impl", "version", "constants"}}``, sorted."""
+        """JSON-able view, sorted: ``{"op@site": {"impl", "version", "constants", "calls"}, "model": meta}``.
+
+        ``calls`` counts the calls observed per implementation name at that (op, site); ``model``
+        is ``meta`` plus ``unscoped_calls`` (per op: calls made outside any ``site_scope``).
+        """
+        calls: dict[tuple[str, str], dict[str, int]] = {}
+        unscoped: dict[str, int] = {}
+        for (op, site, impl_name), count in sorted(self.observed.items()):
+            if (op, site) in self.declared:
+                calls.setdefault((op, site), {})[impl_name] = count
+            else:
+                unscoped[op] = unscoped.get(op, 0) + count
         out: dict[str, Any] = {}
         for (op, site), impl in sorted(self.declared.items()):
             out[f"{op}@{site}"] = {
                 "impl": impl.name,
                 "version": impl.version,
                 "constants": {k: v for k, v in impl.constants},
+                "calls": calls.get((op, site), {}),
             }
+        out["model"] = {**self.meta, "unscoped_calls": unscoped}
         return out

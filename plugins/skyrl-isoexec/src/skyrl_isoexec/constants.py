@@ -1,0 +1,23 @@
+"""The pinned constants of the canonical kernels (importable without torch).
+
+Every value that changes a canonical kernel's bits lives here, is read by the kernel, and is
+declared in that kernel's ``OpImplSpec`` (so it enters the contract hash). Changing one is a new
+contract: bump the op's version in ``specs.py`` too.
+"""
+
+# Rows per GEMM block, by dtype: one fixed block shape per dtype (see kernels/linear.py).
+LINEAR_ROW_BLOCK = {"float32": 32, "bfloat16": 128}
+LINEAR_KERNEL = {"float32": "bmm(stride-0 weight)", "bfloat16": "F.linear per block"}
+
+# Attention GEMM blocks (see kernels/attention.py).
+ATTENTION_QUERY_BLOCK = 16
+ATTENTION_KEY_BLOCK = 64
+
+# Positions per rotary cos/sin table block (see kernels/elementwise.py).
+ROPE_TABLE_BLOCK = 256
+
+# Tokens per MoE expert GEMM block are the linear row blocks; the combine order is slot order.
+MOE_COMBINE_ORDER = "top-k slot order, fp32"
+
+# GatedDeltaNet: one recurrent scan form at every site, fp32 state (see kernels/gdn.py).
+GDN_SCAN = "recurrent, fp32 state, tree-ordered reductions"

@@ -1,0 +1,18 @@
+"""The canonical kernels: plain PyTorch functions whose result for every row (token) depends only on
+that row's inputs, never on batch size, padding, position in the batch, prefill vs decode, chunking
+or thread count.
+
+How each achieves it, in one line each (details in each module):
+
+- reductions are halving trees of elementwise adds over a zero-padded power-of-two length
+  (``reduce.tree_sum``), so trailing zeros (padding, unseen keys) never change a sum;
+- transcendental functions use only ops whose vectorised and scalar paths agree bit for bit
+  (exp, log, log1p, rsqrt, cos, sin, division: measured), never ``sigmoid``/``silu``/``softplus``
+  (whose vectorised tails differ);
+- GEMMs run in fixed-shape row blocks (``linear.ROW_BLOCK``), the one shape for which the BLAS
+  result of a row depends only on that row;
+- attention scores and weighted sums use fixed-shape key blocks aligned at the sequence start.
+
+Each is one implementation, called by the transformers op sites (``skyrl_core.ops.hf``) and, as
+opaque ``isoexec::`` custom ops (``skyrl_isoexec.torch_ops``), by engines that compile.
+"""

@@ -1,0 +1,72 @@
+"""Canonical embedding, RMSNorm, rotary cos/sin and SiLU-gating."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from skyrl_isoexec.kernels.reduce import silu, tree_sum
+
+ROPE_TABLE_BLOCK = 256  # positions per cos/sin table block: one shape for every block
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor, padding_idx: int | None = None) -> torch.Tensor:
+    """A gather: exact whatever the batch."""
+    return F.embedding(ids, weight, padding_idx)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False, gate: torch.Tensor | None = None
+) -> torch.Tensor:
+    """RMSNorm over the last dim with a tree-ordered fp32 sum of squares.
+
+    Rounding points follow transformers: plain norms scale the normalised value *after* casting to
+    the input dtype (``weight * y.to(dtype)``); ``unit_offset`` norms (Qwen3-Next) scale by
+    ``1 + weight`` in fp32, then cast; a ``gate`` multiplies by ``silu(gate)`` in fp32, then casts.
+    """
+    dtype = x.dtype
+    xf = x.float()
+    variance = tree_sum(xf * xf) / x.shape[-1]
+    y = xf * torch.rsqrt(variance + eps).unsqueeze(-1)
+    if unit_offset:
+        out = y * (1.0 + weight.float())
+        return out.to(dtype) if gate is None else (out.to(dtype).float() * silu(gate.float())).to(dtype)
+    out = weight * y.to(dtype)
+    return out if gate is None else (out * silu(gate.float())).to(dtype)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up in fp32, rounded once."""
+    return (silu(gate.float()) * up.float()).to(gate.dtype)
+
+
+_rope_tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _rope_table(inv_freq: torch.Tensor, scaling: float, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos/sin for positions ``[0, positions)``, built in ``ROPE_TABLE_BLOCK``-position blocks of
+    one shape, so that an entry never depends on how large the table is."""
+    freq = inv_freq.detach().float()
+    key = (freq.cpu().numpy().tobytes(), float(scaling), str(freq.device))
+    cos, sin = _rope_tables.get(key, (freq.new_empty(0, 2 * freq.numel()), freq.new_empty(0, 2 * freq.numel())))
+    if cos.shape[0] < positions:
+        blocks_cos, blocks_sin = [cos], [sin]
+        for start in range(cos.shape[0], positions, ROPE_TABLE_BLOCK):
+            pos = torch.arange(start, start + ROPE_TABLE_BLOCK, device=freq.device, dtype=torch.float32)
+            angles = pos[:, None] * freq[None, :]
+            angles = torch.cat((angles, angles), dim=-1)
+            blocks_cos.append(angles.cos() * scaling)
+            blocks_sin.append(angles.sin() * scaling)
+        cos, sin = torch.cat(blocks_cos), torch.cat(blocks_sin)
+        _rope_tables[key] = (cos, sin)
+    return cos, sin
+
+
+def rope(inv_freq: torch.Tensor, attention_scaling: float, position_ids: torch.Tensor, dtype: torch.dtype):
+    """(cos, sin) ``[B, T, 2 * len(inv_freq)]`` in ``dtype``, looked up in one shared table."""
+    positions = position_ids.long()
+    if positions.numel() and int(positions.min()) < 0:
+        raise ValueError("rope: position ids must be >= 0")
+    needed = int(positions.max()) + 1 if positions.numel() else 1
+    cos, sin = _rope_table(inv_freq, attention_scaling, needed)
+    return cos[positions].to(dtype), sin[positions].to(dtype)

@@ -1,0 +1,74 @@
+"""skyrl-isoexec's hook implementations. Light: importing this module imports no torch."""
+
+from __future__ import annotations
+
+from skyrl_core.plugins import hookimpl
+from skyrl_core.plugins.records import ConfigSectionSpec
+
+
+@hookimpl
+def skyrl_register_ops(register):
+    from skyrl_isoexec.specs import CANONICAL
+
+    for spec in CANONICAL.values():
+        register(spec)
+
+
+@hookimpl
+def skyrl_register_config_sections(register):
+    register(
+        ConfigSectionSpec(
+            name="isoexec",
+            factory="skyrl_isoexec.state:configure",
+            options="skyrl_isoexec.config:IsoExecConfig",
+            description="IsoExec: bitwise-identical logprobs between trainer and engine",
+        )
+    )
+
+
+@hookimpl(wrapper=True)
+def skyrl_install_op(op, site, impl):
+    """When IsoExec is on, every op at every site gets its canonical implementation."""
+    default = yield
+    from skyrl_isoexec import state
+    from skyrl_isoexec.specs import CANONICAL
+
+    if state.enabled() and op in CANONICAL:
+        return CANONICAL[op]
+    return default
+
+
+@hookimpl
+def skyrl_execution_contract(role, ledger):
+    from skyrl_isoexec import state
+    from skyrl_isoexec.contract import build_contract
+
+    if isinstance(ledger, dict) and "ledger" in ledger and "model" not in ledger:
+        ledger = ledger["ledger"]  # a whole runtime contract
+    if ledger is not None and not isinstance(ledger, dict):
+        ledger = ledger.as_dict()  # an OpLedger object
+    return build_contract(role, ledger, enabled=state.enabled())
+
+
+@hookimpl
+def skyrl_verify_handshake(trainer_contract, engine_contract):
+    from skyrl_isoexec.contract import compare
+
+    return compare(trainer_contract, engine_contract)
+
+
+@hookimpl
+def skyrl_on_run_start(config, run_dir):
+    """Adopt the run's ``isoexec:`` section (exported to processes started afterwards)."""
+    from skyrl_isoexec import state
+
+    section = (getattr(config, "plugins", None) or {}).get("isoexec")
+    if section is not None:
+        state.configure(section)
+
+
+@hookimpl
+def skyrl_add_cli_commands(cli):
+    from skyrl_isoexec.cli import isoexec_group
+
+    cli.add_command(isoexec_group)

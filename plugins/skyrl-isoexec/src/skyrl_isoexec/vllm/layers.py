@@ -1,0 +1,101 @@
+"""vLLM ``CustomOp`` replacements (registered out-of-tree under the class names they replace).
+
+Each reproduces the trainer's transformers op boundaries and rounding points with the canonical
+kernels (``skyrl_isoexec.kernels``), not vLLM's fused CPU kernels:
+
+- ``RMSNorm(x, residual)``: vLLM fuses the residual add into the norm and normalises the fp32
+  sum; transformers rounds ``residual + x`` to the model dtype first, then normalises. We round.
+- ``RotaryEmbedding``: cos/sin from the one shared fp32 table of ``kernels.elementwise.rope``
+  (indexed by position, cast to the model dtype), applied as transformers does:
+  ``x * cos + rotate_half(x) * sin`` in the model dtype, on the first ``rotary_dim`` channels.
+- ``SiluAndMul``: ``kernels.elementwise.silu_mul(gate, up)``.
+
+A module built while IsoExec is off in this process keeps vLLM's own forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.model_executor.layers.activation import SiluAndMul
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+from skyrl_isoexec.kernels import elementwise
+from skyrl_isoexec.vllm import runtime
+
+
+class IsoExecRMSNorm(RMSNorm):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._isoexec = runtime.active()
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if not self._isoexec:
+            return super().forward(x, residual)
+        if self.variance_size_override is not None:
+            raise ValueError("IsoExec: RMSNorm over a partial hidden size (var_hidden_size) has no canonical op")
+        runtime.observe("rms_norm")
+        weight = self.weight if self.has_weight else torch.ones_like(self.weight)
+        if residual is None:
+            return elementwise.rms_norm(x, weight, float(self.variance_epsilon))
+        summed = residual + x  # rounded to the model dtype, as transformers' residual add
+        return elementwise.rms_norm(summed, weight, float(self.variance_epsilon)), summed
+
+
+class IsoExecSiluAndMul(SiluAndMul):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._isoexec = runtime.active()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._isoexec:
+            return super().forward(x)
+        runtime.observe("silu_mul")
+        d = x.shape[-1] // 2
+        return elementwise.silu_mul(x[..., :d], x[..., d:])
+
+
+def hf_inv_freq(base: float, rotary_dim: int) -> torch.Tensor:
+    """transformers' default rotary inverse frequencies (``compute_default_rope_parameters``)."""
+    return 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(dtype=torch.float) / rotary_dim))
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class IsoExecRotaryEmbedding(RotaryEmbedding):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._isoexec = runtime.active()
+        if self._isoexec and not self.is_neox_style:
+            raise ValueError(
+                "IsoExec: interleaved (GPT-J style) rotary embeddings have no canonical op; "
+                "the trainer's transformers models rotate halves (neox style)"
+            )
+        self._isoexec_inv_freq = hf_inv_freq(self.base, self.rotary_dim)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.view(cos.shape[0], -1, self.head_size)
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        rot = rot * cos + _rotate_half(rot) * sin
+        return torch.cat((rot, rest), dim=-1).reshape(shape)
+
+    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None):
+        if not self._isoexec:
+            return super().forward(positions, query, key)
+        runtime.observe("rope")
+        positions = positions.flatten()
+        cos, sin = elementwise.rope(self._isoexec_inv_freq, 1.0, positions, query.dtype)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, rotary_dim]: broadcast over heads
+        return self._rotate(query, cos, sin), None if key is None else self._rotate(key, cos, sin)
+
+
+# vLLM class name -> replacement (``CustomOp.register_oot`` keys by the replaced class's name).
+REPLACEMENTS = {
+    "RMSNorm": IsoExecRMSNorm,
+    "SiluAndMul": IsoExecSiluAndMul,
+    "RotaryEmbedding": IsoExecRotaryEmbedding,
+}

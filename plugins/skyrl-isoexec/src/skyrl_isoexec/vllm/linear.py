@@ -1,0 +1,127 @@
+"""Linear layers, the lm_head and the input embedding inside vLLM, on the canonical kernels.
+
+vLLM has no out-of-tree hook for a quant method's GEMM, so IsoExec patches two class attributes
+of each unquantized method (``install`` / ``uninstall``):
+
+- ``process_weights_after_loading``: on CPU vLLM prepacks each weight for oneDNN and leaves an
+  empty ``weight`` Parameter. A layer built with IsoExec on keeps its plain ``[N, K]`` weight
+  (so in-place weight reloads keep working too) and is marked canonical.
+- ``apply``: a canonical layer computes ``kernels.linear.linear`` once per *logical* projection:
+  vLLM merges q/k/v (and gate/up) into one weight, the trainer's transformers model runs separate
+  GEMMs, so the merged weight is split by ``output_partition_sizes`` and each piece computed alone
+  (its columns then have exactly the trainer's GEMM shape), then concatenated.
+
+The lm_head (``UnquantizedEmbeddingMethod.apply``) computes the ``org_vocab_size`` real rows only,
+as the trainer's ``lm_head`` does (vLLM pads the vocabulary; the padding is cut afterwards).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from skyrl_isoexec.kernels import elementwise
+from skyrl_isoexec.kernels import linear as canonical
+from skyrl_isoexec.vllm import runtime
+
+# (method class name, attribute) -> vLLM's own function, restored by ``uninstall``.
+_originals: dict[tuple[str, str], Callable[..., Any]] = {}
+_LINEAR, _EMBEDDING = "UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"
+
+
+def _linear_pieces(layer: torch.nn.Module) -> tuple[int, ...]:
+    sizes = tuple(int(n) for n in getattr(layer, "output_partition_sizes", ()) or ())
+    rows = int(layer.weight.shape[0])
+    if not sizes or sum(sizes) != rows:
+        return (rows,)
+    return sizes
+
+
+def _check_dtype(layer: torch.nn.Module) -> None:
+    dtype = layer.weight.dtype
+    if dtype not in canonical.ROW_BLOCK:
+        allowed = ", ".join(str(d).removeprefix("torch.") for d in canonical.ROW_BLOCK)
+        raise ValueError(f"IsoExec: {type(layer).__name__} has {dtype} weights; canonical GEMMs run in {allowed}")
+
+
+def linear_process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+    if not runtime.active():
+        return _originals[(_LINEAR, "process_weights_after_loading")](self, layer)
+    _check_dtype(layer)
+    layer._isoexec_pieces = _linear_pieces(layer)
+
+
+def linear_apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    pieces = getattr(layer, "_isoexec_pieces", None)
+    if pieces is None:
+        return _originals[(_LINEAR, "apply")](self, layer, x, bias)
+    runtime.observe("linear")
+    weight = layer.weight
+    if len(pieces) == 1:
+        return canonical.linear(x, weight, bias)
+    outputs, start = [], 0
+    for rows in pieces:
+        piece_bias = None if bias is None else bias.narrow(0, start, rows)
+        outputs.append(canonical.linear(x, weight.narrow(0, start, rows), piece_bias))
+        start += rows
+    return torch.cat(outputs, dim=-1)
+
+
+def embedding_process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+    if not runtime.active():
+        return _originals[(_EMBEDDING, "process_weights_after_loading")](self, layer)
+    _check_dtype(layer)
+    layer._isoexec_vocab = int(getattr(layer, "org_vocab_size", layer.weight.shape[0]))
+
+
+def lm_head_apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    vocab = getattr(layer, "_isoexec_vocab", None)
+    if vocab is None:
+        return _originals[(_EMBEDDING, "apply")](self, layer, x, bias)
+    runtime.observe("linear")
+    weight = layer.weight
+    padded = int(weight.shape[0])
+    logits = canonical.linear(x, weight.narrow(0, 0, vocab), None if bias is None else bias.narrow(0, 0, vocab))
+    if padded != vocab:  # vLLM's padded rows, cut by its LogitsProcessor afterwards
+        logits = torch.nn.functional.pad(logits, (0, padded - vocab))
+    return logits
+
+
+def embedding_lookup(self, layer: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    if getattr(layer, "_isoexec_vocab", None) is None:
+        return _originals[(_EMBEDDING, "embedding")](self, layer, ids)
+    runtime.observe("embedding")
+    return elementwise.embedding(ids, layer.weight)
+
+
+def _targets() -> dict[tuple[type, str], Callable[..., Any]]:
+    """(class, attribute) -> replacement."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    return {
+        (UnquantizedLinearMethod, "process_weights_after_loading"): linear_process_weights_after_loading,
+        (UnquantizedLinearMethod, "apply"): linear_apply,
+        (UnquantizedEmbeddingMethod, "process_weights_after_loading"): embedding_process_weights_after_loading,
+        (UnquantizedEmbeddingMethod, "apply"): lm_head_apply,
+        (UnquantizedEmbeddingMethod, "embedding"): embedding_lookup,
+    }
+
+
+def install() -> dict[str, str]:
+    """Patch the unquantized linear and embedding methods (idempotent); return what was installed."""
+    installed = {}
+    for (cls, name), replacement in _targets().items():
+        if (cls.__name__, name) not in _originals:
+            _originals[(cls.__name__, name)] = getattr(cls, name)
+            setattr(cls, name, replacement)
+        installed[f"{cls.__name__}.{name}"] = f"{replacement.__module__}.{replacement.__name__}"
+    return installed
+
+
+def uninstall() -> None:
+    for (cls, name) in _targets():
+        original = _originals.pop((cls.__name__, name), None)
+        if original is not None:
+            setattr(cls, name, original)
