@@ -1,0 +1,191 @@
+"""Attention inside vLLM on the canonical kernel (``kernels.attention.attention``), with its own KV cache.
+
+vLLM-CPU runs one C++ kernel for every token (paged, split-KV work split chosen per batch), whose
+reductions differ from the trainer's. ``IsoExecCPUBackend`` replaces ``CPU_ATTN`` (registered with
+``register_backend``) and owns both sides of the KV cache:
+
+- write (``do_kv_cache_update``): token ``t`` goes to slot ``slot_mapping[t]`` =
+  ``block * block_size + offset``; its key in ``kv_cache[block, :, offset, :D]``, its value in
+  ``kv_cache[block, :, offset, D:]`` (vLLM's ``[blocks, kv_heads, block_size, 2 * D]`` cache);
+- read (``forward``): every request's keys and values are gathered through its block table into
+  ``[requests, kv_heads, keys, D]`` (zeros past its length) and all requests of the step go through
+  one call of the canonical kernel, query ``i`` of a request seeing keys ``[0, start + i]``.
+
+The canonical kernel reduces over exactly the visible keys in fixed blocks aligned at the
+sequence start, so a token's output is the same whether it was computed in a prefill, a chunk of
+one, a decode step, with a cached prefix, or in the trainer's full forward over a padded batch.
+The metadata builder also names the step's site for the ledger (``runtime.set_site``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadataBuilder,
+)
+
+from skyrl_isoexec.kernels import attention as canonical
+from skyrl_isoexec.vllm import runtime
+
+BACKEND_PATH = "skyrl_isoexec.vllm.attention.IsoExecCPUBackend"
+
+
+@dataclass
+class IsoExecAttentionMetadata:
+    num_actual_tokens: int
+    num_reqs: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor  # [reqs + 1]
+    seq_lens: torch.Tensor  # [reqs]
+    block_table: torch.Tensor  # [reqs, max_blocks]
+    slot_mapping: torch.Tensor  # [tokens]
+
+
+def build_metadata(common) -> IsoExecAttentionMetadata:
+    """The step's metadata from vLLM's ``CommonAttentionMetadata``; names the step's site."""
+    if isinstance(common.causal, torch.Tensor) or not common.causal:
+        raise ValueError("IsoExec: only causal decoder attention has a canonical op")
+    runtime.set_site("engine_decode" if common.max_query_len == 1 else "engine_prefill")
+    return IsoExecAttentionMetadata(
+        num_actual_tokens=int(common.num_actual_tokens),
+        num_reqs=int(common.num_reqs),
+        max_query_len=int(common.max_query_len),
+        max_seq_len=int(common.max_seq_len),
+        query_start_loc=common.query_start_loc,
+        seq_lens=common.seq_lens,
+        block_table=common.block_table_tensor,
+        slot_mapping=common.slot_mapping,
+    )
+
+
+def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store ``key``/``value`` ``[T, kv_heads, D]`` at their slots (negative slots: padding, skipped)."""
+    tokens = min(key.shape[0], slot_mapping.shape[0])
+    slots = slot_mapping[:tokens].long()
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots, key, value = slots[keep], key[:tokens][keep], value[:tokens][keep]
+    else:
+        key, value = key[:tokens], value[:tokens]
+    block_size, dim = kv_cache.shape[2], key.shape[-1]
+    blocks, offsets = slots // block_size, slots % block_size
+    kv_cache[blocks, :, offsets, :dim] = key
+    kv_cache[blocks, :, offsets, dim:] = value
+
+
+def attend(
+    query: torch.Tensor, kv_cache: torch.Tensor, meta: IsoExecAttentionMetadata, scale: float, output: torch.Tensor
+) -> None:
+    """Canonical attention of the step's ``query`` ``[T, H, D]`` into ``output`` ``[T, H, D]``."""
+    tokens, reqs = meta.num_actual_tokens, meta.num_reqs
+    if tokens == 0 or reqs == 0:
+        return
+    device = query.device
+    block_size, dim = kv_cache.shape[2], query.shape[-1]
+    starts = meta.query_start_loc[: reqs + 1].to(device=device, dtype=torch.long)
+    seq_lens = meta.seq_lens[:reqs].to(device=device, dtype=torch.long)
+    q_lens = starts[1:] - starts[:-1]
+    max_q = meta.max_query_len
+
+    # Keys and values of every request, position-indexed: [reqs, kv_heads, slots, D], zeros past its length.
+    num_blocks = -(-meta.max_seq_len // block_size)
+    table = meta.block_table[:reqs, :num_blocks].to(device=device, dtype=torch.long)
+    paged = kv_cache[table]  # [reqs, blocks, kv_heads, block_size, 2D]
+    kv = paged.permute(0, 2, 1, 3, 4).reshape(reqs, kv_cache.shape[1], num_blocks * block_size, 2 * dim)
+    slots = torch.arange(num_blocks * block_size, device=device)
+    present = (slots[None, :] < seq_lens[:, None])[:, None, :, None]
+    kv = kv.masked_fill(~present, 0)
+    key, value = kv[..., :dim], kv[..., dim:]
+
+    # Queries [reqs, H, max_q, D]: token t is query row t - starts[r] of its request r.
+    request = torch.repeat_interleave(torch.arange(reqs, device=device), q_lens)
+    row = torch.arange(tokens, device=device) - starts[request]
+    padded = query.new_zeros(reqs, max_q, query.shape[1], dim)
+    padded[request, row] = query[:tokens]
+    # Query row i of request r sits at position (seq_len - q_len + i) and sees keys [0, that + 1).
+    seen = (seq_lens - q_lens)[:, None] + torch.arange(1, max_q + 1, device=device)[None, :]
+    seen = torch.minimum(seen, seq_lens[:, None])  # padding rows: any prefix will do
+    visible = (slots[None, None, :] < seen[:, :, None])[:, None]  # [reqs, 1, max_q, slots]
+    out = canonical.attention(padded.transpose(1, 2), key, value, visible, scale)  # [reqs, max_q, H, D]
+    output[:tokens] = out[request, row]
+
+
+class IsoExecCPUMetadataBuilder(CPUAttentionMetadataBuilder):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._isoexec = runtime.active()
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
+        if not self._isoexec:
+            return super().build(common_prefix_len, common_attn_metadata, fast_build)
+        return build_metadata(common_attn_metadata)
+
+
+class IsoExecCPUAttentionImpl(CPUAttentionBackendImpl):
+    def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
+                 logits_soft_cap=None, attn_type="decoder", kv_sharing_target_layer_name=None, sinks=None) -> None:
+        super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
+                         logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks)
+        self._isoexec = runtime.active()
+        if self._isoexec:
+            unsupported = {
+                "ALiBi slopes": alibi_slopes is not None,
+                f"sliding window {sliding_window}": sliding_window is not None,
+                f"logits soft cap {logits_soft_cap}": bool(logits_soft_cap),
+                f"attention type {attn_type!r}": attn_type != "decoder",
+                "KV sharing between layers": kv_sharing_target_layer_name is not None,
+                "attention sinks": sinks is not None,
+                f"KV cache dtype {kv_cache_dtype!r}": kv_cache_dtype not in ("auto", None),
+            }
+            found = [name for name, present in unsupported.items() if present]
+            if found:
+                raise ValueError(f"IsoExec: canonical attention does not support {', '.join(found)}")
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None):
+        if not self._isoexec:
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                   output_scale, output_block_scale)
+        if attn_metadata is None:  # vLLM's warm-up call
+            return output
+        if output_scale is not None or output_block_scale is not None:
+            raise ValueError("IsoExec: fused output quantization has no canonical op")
+        runtime.observe("attention")
+        attend(query, kv_cache, attn_metadata, self.scale, output)
+        return output
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        if not self._isoexec:
+            return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        write_kv(kv_cache, key, value, slot_mapping)
+
+
+class IsoExecCPUBackend(CPUAttentionBackend):
+    """``CPU_ATTN`` with the canonical kernel and its own KV-cache layout."""
+
+    @staticmethod
+    def get_impl_cls():
+        return IsoExecCPUAttentionImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return IsoExecCPUMetadataBuilder
+
+
+def install() -> dict[str, str]:
+    """Route vLLM's CPU attention backend to ``IsoExecCPUBackend`` in this process."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
+    return {"AttentionBackendEnum.CPU_ATTN": BACKEND_PATH}
+
+
+def uninstall() -> None:
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    AttentionBackendEnum.CPU_ATTN.clear_override()

@@ -1,0 +1,147 @@
+"""What IsoExec refuses inside vLLM, and the inspection of a built model that proves coverage.
+
+Refusals are one sentence each, naming what was given and why it cannot be made bitwise equal to
+the trainer. ``config_problems`` runs on vLLM's config in the front-end (before any process
+starts) and again in the worker; ``inspect_model`` walks the model the worker built and reports
+every module that computes something without a canonical implementation.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+# vLLM architectures whose every op has a canonical implementation inside vLLM.
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+
+PREFIX = "IsoExec cannot make vLLM bitwise identical to the trainer"
+
+
+class IsoExecRefusal(ValueError):
+    """A vLLM configuration or model that IsoExec cannot make identical to the trainer."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__(f"{PREFIX}: " + "; ".join(problems))
+
+
+def config_problems(vllm_config: Any) -> list[str]:
+    """Every reason ``vllm_config`` cannot run the canonical ops, one sentence each."""
+    model = vllm_config.model_config
+    problems: list[str] = []
+    if model.quantization is not None:
+        problems.append(f"quantization={model.quantization!r} replaces the GEMMs by quantized kernels (use an unquantized model)")
+    if model.logprobs_mode != "raw_logprobs":
+        problems.append(
+            f"logprobs_mode={model.logprobs_mode!r} returns values other than the raw-logit log-softmax "
+            "the trainer computes (use 'raw_logprobs')"
+        )
+    dtype = str(model.dtype).removeprefix("torch.")
+    if dtype not in ("float32", "bfloat16"):
+        problems.append(f"dtype={dtype!r} has no canonical kernels (use float32 or bfloat16)")
+    head_dtype = getattr(model, "head_dtype", None)
+    if head_dtype is not None and head_dtype != model.dtype:
+        problems.append(f"head_dtype={head_dtype} computes the lm_head in another dtype than the trainer's lm_head")
+    archs = list(getattr(model, "architectures", None) or [])
+    unsupported = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
+    if unsupported or not archs:
+        problems.append(
+            f"architecture {', '.join(unsupported or ['(none)'])} has no canonical ops inside vLLM "
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
+    if cache_dtype not in ("auto", None):
+        problems.append(f"kv_cache_dtype={cache_dtype!r} stores keys and values in another dtype than the model's")
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+        problems.append(
+            f"tensor_parallel_size={parallel.tensor_parallel_size}, pipeline_parallel_size="
+            f"{parallel.pipeline_parallel_size} split GEMM reductions across ranks (use 1 and 1)"
+        )
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        problems.append("speculative decoding scores tokens with a draft model and a rejection sampler")
+    mode = getattr(vllm_config.compilation_config, "mode", None)
+    if mode is not None and getattr(mode, "name", str(mode)) != "NONE":
+        problems.append(
+            f"compilation mode {getattr(mode, 'name', mode)} lets torch.compile fuse the canonical ops and change "
+            "their rounding (use enforce_eager=True)"
+        )
+    if os.environ.get("VLLM_BATCH_INVARIANT", "0") not in ("", "0"):
+        problems.append("VLLM_BATCH_INVARIANT=1 swaps in vLLM's own batch-invariant kernels over the canonical ones")
+    return problems
+
+
+def allowlist_problem() -> str | None:
+    """Why vLLM would skip skyrl's bootstrap under ``VLLM_PLUGINS`` (then nothing runs in its workers)."""
+    allow = os.environ.get("VLLM_PLUGINS")
+    if allow is None:
+        return None
+    from importlib.metadata import entry_points
+
+    ours = sorted(ep.name for ep in entry_points(group="vllm.general_plugins") if ep.value.startswith("skyrl"))
+    names = {n.strip() for n in allow.split(",") if n.strip()}
+    if not ours or names & set(ours):
+        return None
+    return (
+        f"VLLM_PLUGINS={allow!r} excludes skyrl's vLLM bootstrap ({', '.join(ours)}), so vLLM's workers would run "
+        "stock ops (add it to VLLM_PLUGINS or unset it)"
+    )
+
+
+def inspect_model(model: Any) -> tuple[dict[str, int], list[str]]:
+    """``(op_modules, unpatched)`` of a model built by vLLM with IsoExec on.
+
+    ``op_modules`` counts the modules computing each op canonically; ``unpatched`` names every
+    module that computes something (an op class, or parameters) without a canonical implementation.
+    """
+    from vllm.model_executor.custom_op import CustomOp, PluggableLayer
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    from skyrl_isoexec.vllm.attention import IsoExecCPUAttentionImpl
+    from skyrl_isoexec.vllm.layers import IsoExecRMSNorm, IsoExecRotaryEmbedding, IsoExecSiluAndMul
+
+    counts: dict[str, int] = {}
+    unpatched: list[str] = []
+    inside_rope: list[str] = []  # a canonical rotary module's own helpers are never called
+
+    def count(op: str) -> None:
+        counts[op] = counts.get(op, 0) + 1
+
+    for qualname, module in model.named_modules():
+        name = f"{qualname or '<model>'} ({type(module).__name__})"
+        if any(qualname.startswith(prefix + ".") for prefix in inside_rope):
+            continue
+        canonical = getattr(module, "_isoexec", False)
+        if isinstance(module, IsoExecRMSNorm) and canonical:
+            count("rms_norm")
+        elif isinstance(module, IsoExecSiluAndMul) and canonical:
+            count("silu_mul")
+        elif isinstance(module, IsoExecRotaryEmbedding) and canonical:
+            count("rope")
+            inside_rope.append(qualname)
+        elif isinstance(module, LinearBase):
+            if getattr(module, "_isoexec_pieces", None) is None:
+                unpatched.append(f"{name} with {type(module.quant_method).__name__}")
+            else:
+                count("linear")
+        elif isinstance(module, VocabParallelEmbedding):
+            if getattr(module, "_isoexec_vocab", None) is None:
+                unpatched.append(f"{name} with {type(module.quant_method).__name__}")
+            else:
+                count("linear" if isinstance(module, ParallelLMHead) else "embedding")
+        elif isinstance(module, Attention):
+            if isinstance(module.impl, IsoExecCPUAttentionImpl) and module.impl._isoexec:
+                count("attention")
+            else:
+                unpatched.append(f"{name} with {type(module.impl).__name__}")
+        elif isinstance(module, LogitsProcessor):
+            if module.soft_cap is not None or module.scale != 1.0 or module.logits_as_input:
+                unpatched.append(f"{name} with soft cap {module.soft_cap} / scale {module.scale}")
+        elif isinstance(module, (CustomOp, PluggableLayer)):
+            unpatched.append(name)
+        elif any(True for _ in module.parameters(recurse=False)):
+            unpatched.append(name)
+    return dict(sorted(counts.items())), unpatched

@@ -1,0 +1,50 @@
+"""vLLM's logprobs (``Sampler.compute_logprobs``) on the canonical log-softmax.
+
+vLLM computes every returned logprob (sampled tokens, top-k, prompt logprobs) with
+``Sampler.compute_logprobs(logits)`` on the raw model logits (``logprobs_mode="raw_logprobs"``),
+as a full ``[rows, vocab]`` matrix that it gathers from. ``full_log_softmax`` is that matrix with
+exactly the arithmetic of ``kernels.logprobs.logprobs`` (fp32, exact max, halving-tree sum), so
+gathering a token from it gives the trainer's ``token_logprobs`` bits (tested).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from skyrl_isoexec.kernels.reduce import tree_sum
+from skyrl_isoexec.vllm import runtime
+
+_original: list[Callable[..., Any]] = []
+
+
+def full_log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """fp32 ``log_softmax`` over the last dim, computed as ``kernels.logprobs.logprobs`` does."""
+    x = logits.float()
+    shifted = x - x.amax(-1, keepdim=True)
+    total = tree_sum(torch.exp(shifted))
+    return shifted - torch.log(total).unsqueeze(-1)
+
+
+def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    if not runtime.model_built_active():
+        return _original[0](logits)
+    runtime.observe("logprobs")
+    return full_log_softmax(logits)
+
+
+def install() -> dict[str, str]:
+    from vllm.v1.sample.sampler import Sampler
+
+    if not _original:
+        _original.append(Sampler.compute_logprobs)
+        Sampler.compute_logprobs = staticmethod(compute_logprobs)
+    return {"Sampler.compute_logprobs": f"{__name__}.compute_logprobs"}
+
+
+def uninstall() -> None:
+    from vllm.v1.sample.sampler import Sampler
+
+    if _original:
+        Sampler.compute_logprobs = staticmethod(_original.pop())
