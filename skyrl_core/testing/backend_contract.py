@@ -237,6 +237,7 @@ class BackendContract:
             metrics = backend.forward_backward(batch, mean_logprob_loss)
             stats = backend.optim_step()
             results.append((metrics, stats, dict(backend.export_weights()), backend.forward(batch)))
+            backend.close()  # one at a time: a multi-process backend holds processes and memory
         (m1, s1, w1, f1), (m4, s4, w4, f4) = results
         assert m1["loss"] == pytest.approx(m4["loss"], abs=self.micro_batch_atol)
         # The gradient: its norm is what shows a micro-batch loss averaged instead of summed (Adam's
@@ -267,6 +268,7 @@ class BackendContract:
 
         first.load_checkpoint(str(tmp_path / "ckpt"))
         again, weights_again = two_steps(first)
+        first.close()
         # A fresh backend from another seed starts elsewhere: loading must restore everything.
         other = make_backend(seed=1, **schedule)
         assert not torch.equal(dict(other.export_weights())[next(iter(weights))], weights[next(iter(weights))])

@@ -47,15 +47,15 @@ class FSDPBackend:
         self.trainer = trainer or TrainerConfig()
         self.world_size = options.world_size
         self._local: FSDPRank | None = None
-        self._actors: list[Any] = []
+        self._hosts: list[Any] = []
         self._closed = False
+        self._use_gpu = options.device == "cuda" or (options.device == "auto" and torch.cuda.is_available())
         if self.world_size == 1:
             self._local = FSDPRank(model, options, self.trainer, seed=seed)
         else:
             from skyrl_fsdp.ray_ranks import start_ranks
 
-            use_gpu = options.device == "cuda" or (options.device == "auto" and torch.cuda.is_available())
-            self._actors = start_ranks(model, options, self.trainer, seed=seed, use_gpu=use_gpu)
+            self._hosts = start_ranks(model, options, self.trainer, seed=seed, use_gpu=self._use_gpu)
 
     # --- fan-out ---------------------------------------------------------------------------------
 
@@ -66,14 +66,15 @@ class FSDPBackend:
         args = per_rank_args or [()] * self.world_size
         if self._local is not None:
             return [getattr(self._local, method)(*args[0], **kwargs)]
-        from skyrl_fsdp.ray_ranks import gather
+        from skyrl_fsdp.ray_ranks import call_ranks, kill
 
-        refs = [getattr(actor, method).remote(*args[r], **kwargs) for r, actor in enumerate(self._actors)]
         try:
-            return gather(refs)
+            return call_ranks(self._hosts, method, args, **kwargs)
         except BaseException:
             # The other ranks may be stuck in a collective with the failed one: nothing to save.
-            self.close()
+            kill(self._hosts)
+            self._hosts = []
+            self._closed = True
             raise
 
     def _split(self, batch: TrainingBatch) -> tuple[list[tuple], TrainingBatch | None]:
@@ -150,11 +151,11 @@ class FSDPBackend:
         if self._local is not None:
             self._local.close()
             self._local = None
-        if self._actors:
-            from skyrl_fsdp.ray_ranks import kill
+        if self._hosts:
+            from skyrl_fsdp.ray_ranks import stop_ranks
 
-            kill(self._actors)
-            self._actors = []
+            stop_ranks(self._hosts, reuse=self.options.reuse_workers, use_gpu=self._use_gpu)
+            self._hosts = []
 
     def __enter__(self) -> FSDPBackend:
         return self

@@ -60,3 +60,10 @@ class FSDPOptions:
         default=True,
         metadata={"help": "free gathered parameters after forward (less memory, one more all-gather in backward)"},
     )
+    reuse_workers: bool = attrs.field(
+        default=False,
+        metadata={
+            "help": "world_size > 1: on close, keep the rank processes idle in this Ray session for the next "
+            "backend instead of killing them (saves a process start and imports per rank)"
+        },
+    )

@@ -153,7 +153,8 @@ class FSDPRank:
 
         # Same seed on every rank: identical initial weights before sharding.
         self.model = load_causal_lm(attrs.evolve(model, dtype="float32"), seed=seed)
-        self.ledger = prepare_model(self.model, "trainer")
+        compute_dtype = torch.bfloat16 if options.mixed_precision == "bf16" else None
+        self.ledger = prepare_model(self.model, "trainer", compute_dtype=compute_dtype)
         self.aliases = tied_aliases(self.model)
         self._logits_to_keep = _accepts_keyword(self.model.forward, "logits_to_keep")
         self.model.to(self.device)
@@ -185,6 +186,7 @@ class FSDPRank:
                 # Sum gradients over ranks instead of averaging: each rank's loss is already its
                 # share of the whole batch's loss (normalised by the caller's token weights).
                 module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
 
     # --- computation -------------------------------------------------------------------------
 

@@ -1,20 +1,26 @@
-"""Starting N ``FSDPRank``s as Ray actors on this machine, and calling them together."""
+"""N ``FSDPRank``s as Ray actors on this machine: starting them, calling them together, stopping them.
+
+Each rank lives in a ``RankHost`` actor (a worker process that hosts one rank at a time). With
+``FSDPOptions.reuse_workers`` a closed backend leaves its hosts idle in this Ray session and the next
+backend reuses them, skipping a process start and the torch/transformers import (seconds per rank).
+"""
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 from typing import Any, Sequence
 
-import attrs
-
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
+import attrs  # noqa: E402
 import ray  # noqa: E402
 
-from skyrl_fsdp.rank import FSDPRank  # noqa: E402
-
 READY_TIMEOUT_S = 300
+
+# Idle hosts per (Ray node id of this session, uses a GPU): a new Ray session never sees old ones.
+_idle_hosts: dict[tuple[str, bool], list[Any]] = {}
 
 
 def ensure_ray(num_cpus: int) -> None:
@@ -25,9 +31,33 @@ def ensure_ray(num_cpus: int) -> None:
         address="local",
         include_dashboard=False,
         num_cpus=max(num_cpus, os.cpu_count() or 1),
-        log_to_driver=True,
         runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}},
     )
+
+
+class RankHost:
+    """A worker process hosting one ``FSDPRank`` at a time."""
+
+    def __init__(self) -> None:
+        self.rank: Any = None
+
+    def start(self, *args: Any, **kwargs: Any) -> int:
+        from skyrl_fsdp.rank import FSDPRank
+
+        self.rank = FSDPRank(*args, **kwargs)
+        return self.rank.rank
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.rank, method)(*args, **kwargs)
+
+    def stop(self) -> None:
+        if self.rank is not None:
+            self.rank.close()
+            self.rank = None
+            gc.collect()
+
+
+_RemoteRankHost = ray.remote(num_cpus=0)(RankHost)
 
 
 def _free_port() -> int:
@@ -36,25 +66,52 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _pool_key(use_gpu: bool) -> tuple[str, bool]:
+    return ray.get_runtime_context().get_node_id(), use_gpu
+
+
 def start_ranks(model: Any, options: Any, trainer: Any, *, seed: int, use_gpu: bool) -> list[Any]:
-    """Start ``options.world_size`` actors that rendezvous over TCP on loopback; wait until all are up."""
+    """``options.world_size`` hosts, each running one rank; the ranks rendezvous over TCP on
+    loopback. Returns when every rank is built."""
     world_size = options.world_size
     ensure_ray(world_size)
     if options.threads_per_rank is None:  # share this machine's cores between the ranks
-        threads = max(1, (os.cpu_count() or 1) // world_size)
-        options = attrs.evolve(options, threads_per_rank=threads)
+        options = attrs.evolve(options, threads_per_rank=max(1, (os.cpu_count() or 1) // world_size))
+    idle = _idle_hosts.setdefault(_pool_key(use_gpu), []) if options.reuse_workers else []
+    # Hosts reserve no logical CPU: a run holds several backends at once (policy, reference) and
+    # threads_per_rank, not Ray's bookkeeping, decides how many cores a rank uses.
+    host_class = _RemoteRankHost.options(num_gpus=1 if use_gpu else 0)
+    hosts = [idle.pop() if idle else host_class.remote() for _ in range(world_size)]
     init_method = f"tcp://127.0.0.1:{_free_port()}"
-    actor_class = ray.remote(num_cpus=1, num_gpus=1 if use_gpu else 0)(FSDPRank)
-    actors = [
-        actor_class.remote(model, options, trainer, seed=seed, rank=rank, world_size=world_size, init_method=init_method)
-        for rank in range(world_size)
-    ]
     try:
-        gather([actor.ready.remote() for actor in actors], timeout=READY_TIMEOUT_S)
+        gather(
+            [
+                host.start.remote(model, options, trainer, seed=seed, rank=rank, world_size=world_size, init_method=init_method)
+                for rank, host in enumerate(hosts)
+            ],
+            timeout=READY_TIMEOUT_S,
+        )
     except BaseException:
-        kill(actors)
+        kill(hosts)
         raise
-    return actors
+    return hosts
+
+
+def stop_ranks(hosts: Sequence[Any], *, reuse: bool, use_gpu: bool) -> None:
+    """Stop the ranks; keep the hosts for reuse in this Ray session, or kill them."""
+    if reuse and ray.is_initialized():
+        try:
+            gather([host.stop.remote() for host in hosts], timeout=60)
+        except Exception:
+            kill(hosts)
+            return
+        _idle_hosts.setdefault(_pool_key(use_gpu), []).extend(hosts)
+    else:
+        kill(hosts)
+
+
+def call_ranks(hosts: Sequence[Any], method: str, per_rank_args: Sequence[tuple], **kwargs: Any) -> list[Any]:
+    return gather([host.call.remote(method, *args, **kwargs) for host, args in zip(hosts, per_rank_args)])
 
 
 def gather(refs: Sequence[Any], timeout: float | None = None) -> list[Any]:
@@ -65,15 +122,16 @@ def gather(refs: Sequence[Any], timeout: float | None = None) -> list[Any]:
         done, pending = ray.wait(pending, num_returns=1, timeout=timeout)
         if not done:
             raise TimeoutError(
-                f"FSDP ranks did not answer within {timeout} s (Ray resources: {ray.available_resources()})"
+                f"FSDP ranks did not answer within {timeout} s; Ray resources available: "
+                f"{ray.available_resources()} of {ray.cluster_resources()}"
             )
         ray.get(done[0])  # raises the rank's error
     return ray.get(list(refs))
 
 
-def kill(actors: Sequence[Any]) -> None:
-    for actor in actors:
+def kill(hosts: Sequence[Any]) -> None:
+    for host in hosts:
         try:
-            ray.kill(actor)
-        except Exception:  # an actor that already died is fine
+            ray.kill(host)
+        except Exception:  # a host that already died is fine
             pass

@@ -1,0 +1,95 @@
+"""The training-backend contract suite on two Ray-actor ranks (FSDP2 over gloo on loopback), and
+the same training run at world sizes 1 and 2."""
+
+import pytest
+import torch
+
+from skyrl_core.config.schema import ModelConfig, TrainerConfig
+from skyrl_core.testing.backend_contract import (
+    PROMPT_LENGTHS,
+    RESPONSE_LENGTHS,
+    TINY_QWEN3,
+    BackendContract,
+    make_batch,
+    mean_logprob_loss,
+    random_sequences,
+)
+from skyrl_fsdp.backend import FSDPBackend
+from skyrl_fsdp.options import FSDPOptions
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """One local Ray session for every two-rank backend of this module."""
+    from skyrl_fsdp.ray_ranks import ensure_ray
+
+    import ray
+
+    ensure_ray(2)
+    yield
+    ray.shutdown()
+
+
+class TestFSDPWorldSize2(BackendContract):
+    @pytest.fixture(scope="class")
+    @classmethod
+    def backend_factory(cls, ray_session):
+        return lambda model, trainer, seed: FSDPBackend(model, FSDPOptions(world_size=2, reuse_workers=True), seed=seed, trainer=trainer)
+
+
+def train_curve(world_size: int, batch, steps: int = 5, micro_batch_size: int = 2) -> tuple[torch.Tensor, list[tuple[float, float]]]:
+    trainer = TrainerConfig(lr=1e-3, micro_batch_size=micro_batch_size, lr_schedule="linear", warmup_steps=1, steps=steps)
+    with FSDPBackend(ModelConfig(config=dict(TINY_QWEN3)), FSDPOptions(world_size=world_size, reuse_workers=True), trainer=trainer) as backend:
+        first_logprobs = backend.forward(batch)
+        curve = []
+        for _ in range(steps):
+            metrics = backend.forward_backward(batch, mean_logprob_loss)
+            stats = backend.optim_step()
+            curve.append((metrics["loss"], stats["grad_norm"]))
+    return first_logprobs, curve
+
+
+def test_world_sizes_1_and_2_train_the_same_curve(ray_session):
+    # Five rows: rank 0 gets three, rank 1 two, so with micro-batches of 2 rank 1 runs one real
+    # pass and rank 0 two; gradients must still sum to the whole batch's.
+    batch = make_batch(*random_sequences(PROMPT_LENGTHS + (4,), RESPONSE_LENGTHS + (3,), vocab_size=512))
+    logprobs_1, curve_1 = train_curve(1, batch)
+    logprobs_2, curve_2 = train_curve(2, batch)
+    assert (logprobs_1 - logprobs_2).abs().max().item() <= 1e-6
+    losses_1, norms_1 = zip(*curve_1)
+    losses_2, norms_2 = zip(*curve_2)
+    assert losses_2 == pytest.approx(losses_1, rel=1e-4)
+    assert norms_2 == pytest.approx(norms_1, rel=1e-4)
+    assert losses_1[-1] < losses_1[0]
+
+
+def test_batch_smaller_than_world_size(ray_session):
+    # One row: rank 1 has nothing and runs a filler pass so that rank 0's collectives complete.
+    batch = make_batch(*random_sequences((4,), (3,), vocab_size=512))
+    logprobs_1, curve_1 = train_curve(1, batch, steps=2)
+    logprobs_2, curve_2 = train_curve(2, batch, steps=2)
+    assert logprobs_2.shape == (1, 3)
+    assert (logprobs_1 - logprobs_2).abs().max().item() <= 1e-6
+    assert [loss for loss, _ in curve_2] == pytest.approx([loss for loss, _ in curve_1], rel=1e-5)
+    assert [norm for _, norm in curve_2] == pytest.approx([norm for _, norm in curve_1], rel=1e-5)
+
+
+def test_a_failing_loss_closes_the_backend_instead_of_hanging(ray_session):
+    batch = make_batch(*random_sequences((4, 2), (3, 3), vocab_size=512))
+    calls = []
+
+    def loss_failing_on_one_rank(logprobs, micro_batch):
+        # Each rank gets one row; only the row whose first prompt token is odd fails.
+        if int(micro_batch.input_ids[0, -4]) == int(batch.input_ids[0, -4]):
+            raise ValueError("loss blew up")
+        return mean_logprob_loss(logprobs, micro_batch)
+
+    backend = FSDPBackend(ModelConfig(config=dict(TINY_QWEN3)), FSDPOptions(world_size=2, reuse_workers=True))
+    with pytest.raises(ValueError, match="loss blew up"):
+        backend.forward_backward(batch, loss_failing_on_one_rank)
+    with pytest.raises(RuntimeError, match="closed"):
+        backend.forward(batch)
+    backend.close()
+    assert not calls
