@@ -18,10 +18,10 @@ def transformer_engine_available() -> bool:
 
 
 def build_gpt_model(
-    layout: GPTLayout, *, tensor_parallel: int, params_dtype: torch.dtype, use_transformer_engine: bool
+    layout: GPTLayout, *, tensor_parallel: int, params_dtype: torch.dtype, use_transformer_engine: bool, on_cpu: bool
 ) -> torch.nn.Module:
-    """An uninitialised ``GPTModel`` (weights are loaded right after) on the CPU, with parallel
-    (vocabulary-split) output. Call after ``parallel_state.initialize_model_parallel``."""
+    """A ``GPTModel`` with parallel (vocabulary-split) output, on the CPU or the current CUDA device;
+    its random weights are replaced right after. Call after ``parallel_state.initialize_model_parallel``."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -47,8 +47,10 @@ def build_gpt_model(
         tensor_model_parallel_size=tensor_parallel,
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
-        use_cpu_initialization=True,
-        perform_initialization=False,
+        use_cpu_initialization=on_cpu,
+        # Megatron marks tensor-parallel weights (``tensor_model_parallel``, which gradient-norm
+        # code reads) only inside its initialisers, so they must run even though weights are loaded.
+        perform_initialization=True,
         # Gradients of data-parallel replicas are summed, not averaged (megatron's DDP wrapper
         # reads this): each replica's loss is already its share of the whole batch's loss.
         calculate_per_token_loss=True,

@@ -67,8 +67,60 @@ def _on_device(batch: TrainingBatch, device: torch.device) -> TrainingBatch:
     return attrs.evolve(batch, **moved)
 
 
-# megatron-core's parallel state is global to the process: one in-process rank at a time.
-_active_rank: MegatronRank | None = None
+# megatron-core's parallel state (process groups, RNG tracker, memory buffer) is global to a
+# process. In-process ranks all have world size 1, so they share one, counted here.
+_parallel_users = 0
+_owns_process_group = False
+
+
+def _acquire_parallel_state(device: torch.device, rank: int, world_size: int, tp: int, init_method: str | None, seed: int) -> None:
+    global _parallel_users, _owns_process_group
+    from megatron.core import parallel_state
+
+    if _parallel_users:
+        if parallel_state.get_tensor_model_parallel_world_size() != tp or dist.get_world_size() != world_size:
+            raise RuntimeError(
+                f"this process already runs a Megatron backend with tensor_parallel="
+                f"{parallel_state.get_tensor_model_parallel_world_size()} of {dist.get_world_size()} processes; "
+                f"a second one needs tensor_parallel={tp} of {world_size} (use launcher='ray')"
+            )
+        _parallel_users += 1
+        return
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if init_method is None:  # one in-process rank: an in-memory store, no port to pick
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        else:
+            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+        _owns_process_group = True
+    elif dist.get_world_size() != world_size or dist.get_rank() != rank:
+        raise RuntimeError(
+            f"a torch.distributed process group (rank {dist.get_rank()} of {dist.get_world_size()}) already "
+            f"exists in this process; the Megatron backend needs rank {rank} of {world_size}"
+        )
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    if device.type == "cpu":
+        from skyrl_megatron import cpu_compat
+
+        cpu_compat.apply(seed)
+    else:  # pragma: no cover - needs CUDA
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(seed)
+    _parallel_users = 1
+
+
+def _release_parallel_state() -> None:
+    global _parallel_users, _owns_process_group
+    from megatron.core import parallel_state
+
+    _parallel_users -= 1
+    if _parallel_users:
+        return
+    parallel_state.destroy_model_parallel()
+    if _owns_process_group and dist.is_initialized():
+        dist.destroy_process_group()
+    _owns_process_group = False
 
 
 class MegatronRank:
@@ -85,12 +137,6 @@ class MegatronRank:
         rank: int = 0,
         init_method: str | None = None,
     ) -> None:
-        global _active_rank
-        if _active_rank is not None:
-            raise RuntimeError(
-                "a Megatron backend is already running in this process (megatron-core's parallel state is "
-                "per process); close it first, or use launcher='ray'"
-            )
         if options.torch_threads is not None:
             torch.set_num_threads(options.torch_threads)
         self.options, self.trainer, self.model_config = options, trainer, model
@@ -103,9 +149,9 @@ class MegatronRank:
                 "on CPU the megatron backend trains in float32"
             )
         self.params_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
-        self._owns_process_group = self._init_parallel(init_method, seed)
-        _active_rank = self
+        _acquire_parallel_state(self.device, rank, self.world_size, self.tp, init_method, seed)
         self._closed = False
+        self._init_groups()
         try:
             self._build(model, seed)
         except BaseException:
@@ -114,38 +160,15 @@ class MegatronRank:
 
     # --- construction ------------------------------------------------------------------------
 
-    def _init_parallel(self, init_method: str | None, seed: int) -> bool:
+    def _init_groups(self) -> None:
         from megatron.core import parallel_state
 
-        owns = False
-        if not dist.is_initialized():
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
-            if init_method is None:  # one in-process rank: an in-memory store, no port to pick
-                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-            else:
-                dist.init_process_group(backend, init_method=init_method, rank=self.rank, world_size=self.world_size)
-            owns = True
-        elif dist.get_world_size() != self.world_size or dist.get_rank() != self.rank:
-            raise RuntimeError(
-                f"a torch.distributed process group (rank {dist.get_rank()} of {dist.get_world_size()}) already "
-                f"exists in this process; the Megatron backend needs rank {self.rank} of {self.world_size}"
-            )
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.tp)
-        if self.device.type == "cpu":
-            from skyrl_megatron import cpu_compat
-
-            cpu_compat.apply(seed)
-        else:  # pragma: no cover - needs CUDA
-            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-            model_parallel_cuda_manual_seed(seed)
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.dp_rank = parallel_state.get_data_parallel_rank()
         if (self.tp_rank, self.dp_rank) != (self.rank % self.tp, self.rank // self.tp):
             raise AssertionError(f"megatron placed rank {self.rank} at tp {self.tp_rank}, dp {self.dp_rank}")
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.dp_group = parallel_state.get_data_parallel_group()
-        return owns
 
     def _build(self, model: ModelConfig, seed: int) -> None:
         # Same seed on every rank: identical full weights, of which each rank keeps its shard.
@@ -160,6 +183,7 @@ class MegatronRank:
             tensor_parallel=self.tp,
             params_dtype=self.params_dtype,
             use_transformer_engine=self.use_transformer_engine,
+            on_cpu=self.device.type == "cpu",
         )
         shard = hf_to_megatron(
             hf_state, self.layout, tp_rank=self.tp_rank, tp_size=self.tp, fused_norms=self.use_transformer_engine
@@ -372,18 +396,12 @@ class MegatronRank:
         return self.rank
 
     def close(self) -> None:
-        global _active_rank
         if getattr(self, "_closed", True):
             return
         self._closed = True
-        from megatron.core import parallel_state
-
         for attr in ("optimizer", "module", "model"):
             self.__dict__.pop(attr, None)
-        parallel_state.destroy_model_parallel()
-        if self._owns_process_group and dist.is_initialized():
-            dist.destroy_process_group()
-        _active_rank = None
+        _release_parallel_state()
 
 
 def _rng_state() -> dict[str, Any]:

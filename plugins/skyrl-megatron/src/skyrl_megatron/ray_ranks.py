@@ -42,7 +42,9 @@ def start_ranks(model: Any, options: Any, trainer: Any, *, seed: int, use_gpu: b
     if options.torch_threads is None:  # share this machine's cores between the ranks
         options = attrs.evolve(options, torch_threads=max(1, (os.cpu_count() or 1) // world))
     init_method = f"tcp://127.0.0.1:{_free_port()}"
-    actor_class = ray.remote(num_cpus=1, num_gpus=1 if use_gpu else 0)(MegatronRank)
+    # No CPU reservation: each rank's threads are set by torch_threads, and reserving cores would
+    # keep a second backend (a reference model, a test's second run) from starting on a small machine.
+    actor_class = ray.remote(num_cpus=0, num_gpus=1 if use_gpu else 0)(MegatronRank)
     actors = [
         actor_class.remote(model, options, trainer, seed=seed, rank=rank, init_method=init_method)
         for rank in range(world)
