@@ -1,0 +1,393 @@
+"""The native inference engine: any Hugging Face causal LM, KV-cache slots, continuous batching.
+
+How a ``generate`` call runs:
+
+- Every sample gets a *slot* of a ``SlotKVCache``; at most ``max_num_seqs`` samples are in flight.
+  Samples of a request are admitted together (as many as there are free slots): their prompt is
+  prefilled once, in the first sample's slot, and the cached keys/values are copied to the others.
+  Prompts admitted together that start with the same tokens (a chat template's system prompt)
+  have that common prefix prefilled once too.
+- Each decode step feeds the last token of every in-flight sample in one forward of the model
+  (the model's own modules, with the slot cache passed as ``past_key_values`` and a 4D mask), then
+  picks every next token at once. Finished samples free their slot and waiting ones take it.
+- The logprob of each chosen token is the raw model distribution's (no temperature, no filter),
+  computed by ``skyrl_core.ops.token_logprobs`` inside the ``engine_prefill`` / ``engine_decode``
+  op sites.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import itertools
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
+
+import attrs
+import torch
+
+from skyrl_core.models import load_causal_lm, load_tokenizer
+from skyrl_core.ops import prepare_model, site_scope, token_logprobs
+from skyrl_core.types import GeneratedSample, GenerationRequest
+from skyrl_torch.kv_cache import SlotKVCache
+from skyrl_torch.options import TorchEngineOptions
+from skyrl_torch.sampling import RowSampling, choose_tokens, sample_seed
+
+if TYPE_CHECKING:
+    from skyrl_core.config.schema import ModelConfig
+
+
+@attrs.define(eq=False)
+class _Sample:
+    """One continuation being generated."""
+
+    request: GenerationRequest
+    index: int
+    generator: torch.Generator | None  # None for greedy samples (they draw nothing)
+    stop_ids: frozenset[int]
+    slot: int = -1
+    token_ids: list[int] = attrs.field(factory=list)
+    logprobs: list[float] = attrs.field(factory=list)
+    stop_reason: str | None = None
+    text_end: int | None = None  # where a stop string starts in the decoded text
+
+    @property
+    def next_position(self) -> int:
+        """Position of the last chosen token, the one the next decode step feeds."""
+        return len(self.request.prompt_token_ids) + len(self.token_ids) - 1
+
+
+class TorchEngine:
+    """``skyrl_core.interfaces.InferenceEngine`` in plain PyTorch over a transformers model."""
+
+    def __init__(self, model: ModelConfig, options: TorchEngineOptions | None = None, *, seed: int = 0) -> None:
+        self.options = options if options is not None else TorchEngineOptions()
+        self.seed = seed
+        self.model = load_causal_lm(model, seed=seed, device=self.options.device)
+        self.tokenizer = load_tokenizer(model)
+        config = self.model.config.get_text_config()
+        layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+        if layer_types != {"full_attention"}:
+            raise NotImplementedError(
+                f"skyrl-torch runs full-attention decoders only; this model has layer types {sorted(layer_types)}"
+            )
+        if self.options.attention != "model":
+            self.model.set_attn_implementation(self.options.attention)
+        self.model.requires_grad_(False)
+        self.ledger = prepare_model(self.model, "engine")
+        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        self.max_model_len = self.options.max_model_len or int(getattr(config, "max_position_embeddings", 2048))
+        self.eos_ids = self._eos_ids()
+        self._cache: SlotKVCache | None = None
+        self._unseeded = itertools.count()
+        self._params = dict(self.model.named_parameters(remove_duplicate=False))
+        self._buffers = dict(self.model.named_buffers(remove_duplicate=False))
+        self._closed = False
+
+    # -- InferenceEngine -----------------------------------------------------------------------
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[list[GeneratedSample]]:
+        self._check_open()
+        for request in requests:
+            self._validate(request)
+        samples = [self._new_samples(r) for r in requests]
+        total = sum(len(s) for s in samples)
+        if total == 0:
+            return []
+        longest = max(len(r.prompt_token_ids) + r.sampling.max_tokens for r in requests)
+        cache = self._ensure_cache(min(total, self.options.max_num_seqs), longest)
+        with torch.inference_mode():
+            self._run(samples, cache)
+        return [[self._finish(s) for s in group] for group in samples]
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy each tensor into the parameter or buffer of that Hugging Face name, in place.
+
+        Raises ``KeyError`` for a name the model does not have and ``ValueError`` for a shape that
+        differs; tensors before the bad one are already loaded. Cached keys/values are dropped.
+        """
+        self._check_open()
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                target = self._params.get(name)
+                if target is None:
+                    target = self._buffers.get(name)
+                if target is None:
+                    close = [n for n in self._params if n.endswith(name.split(".")[-1])][:3]
+                    raise KeyError(f"update_weights: the model has no parameter {name!r} (e.g. {', '.join(close)})")
+                if tuple(tensor.shape) != tuple(target.shape):
+                    raise ValueError(
+                        f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
+                    )
+                target.copy_(tensor)
+        if self._cache is not None:  # nothing outlives a generate call, but keep the promise explicit
+            self._cache = None
+
+    def execution_contract(self) -> dict[str, Any]:
+        return {
+            "ledger": self.ledger.as_dict(),
+            "model_dtype": str(self.model.dtype).removeprefix("torch."),
+            "torch": torch.__version__,
+        }
+
+    def sleep(self) -> None:
+        """Drop the KV cache (reallocated by the next ``generate``); weights stay."""
+        self._check_open()
+        self._cache = None
+
+    def wake(self) -> None:
+        self._check_open()
+
+    def close(self) -> None:
+        self._cache = None
+        self._params = {}
+        self._buffers = {}
+        self.model = None
+        self._closed = True
+
+    # -- the scheduler -------------------------------------------------------------------------
+
+    def _run(self, samples: list[list[_Sample]], cache: SlotKVCache) -> None:
+        waiting = collections.deque(samples)  # one entry per request: its samples
+        free = list(range(cache.num_slots))
+        heapq.heapify(free)
+        active: dict[int, _Sample] = {}
+        layout: tuple[RowSampling, list[int]] | None = None
+        while waiting or active:
+            admitted: list[list[_Sample]] = []
+            while waiting and free:
+                group = waiting.popleft()
+                take, rest = group[: len(free)], group[len(free) :]
+                if rest:
+                    waiting.appendleft(rest)
+                for s in take:
+                    s.slot = heapq.heappop(free)
+                admitted.append(take)
+            if admitted:
+                self._prefill(admitted, cache)
+                for s in itertools.chain.from_iterable(admitted):
+                    if s.stop_reason is None:
+                        active[s.slot] = s
+                    else:
+                        heapq.heappush(free, s.slot)
+                layout = None
+            if not active:
+                continue
+            if layout is None:
+                slots = sorted(active)
+                layout = (self._row_sampling([active[i] for i in slots]), slots)
+            finished = self._decode_step(active, layout, cache)
+            for s in finished:
+                del active[s.slot]
+                heapq.heappush(free, s.slot)
+            if finished:
+                layout = None
+
+    def _prefill(self, groups: list[list[_Sample]], cache: SlotKVCache) -> None:
+        """Prefill the prompt of each group once, share it with the group's samples, pick first tokens."""
+        prompts = [g[0].request.prompt_token_ids for g in groups]
+        primaries = [g[0].slot for g in groups]
+        start = 0
+        if len(groups) > 1 and self.options.shared_prefix_min_tokens > 0:
+            shared = min(_common_prefix_len(prompts), min(len(p) for p in prompts) - 1)
+            if shared >= self.options.shared_prefix_min_tokens:
+                with site_scope("engine_prefill"):
+                    self._forward(cache, [primaries[0]], [prompts[0][:shared]], start=0)
+                cache.copy_prefix(primaries[0], primaries[1:], shared)
+                start = shared
+        with site_scope("engine_prefill"):
+            logits = self._forward(cache, primaries, [p[start:] for p in prompts], start=start)
+            for g, p in zip(groups, prompts):
+                cache.copy_prefix(g[0].slot, [s.slot for s in g[1:]], len(p))
+            flat = [s for g in groups for s in g]
+            rows = torch.tensor([i for i, g in enumerate(groups) for _ in g], device=logits.device)
+            self._choose(logits[rows], flat, self._row_sampling(flat))
+
+    def _decode_step(
+        self, active: dict[int, _Sample], layout: tuple[RowSampling, list[int]], cache: SlotKVCache
+    ) -> list[_Sample]:
+        """One token for every active sample, in one forward over slots ``0..max active slot``."""
+        row_sampling, slots = layout
+        width = slots[-1] + 1
+        tokens = [0] * width
+        positions = [-1] * width  # idle slots in range compute padding that nobody reads
+        for slot in slots:
+            s = active[slot]
+            tokens[slot] = s.token_ids[-1]
+            positions[slot] = s.next_position
+        device = cache.device
+        with site_scope("engine_decode"):
+            logits = self._forward_rows(
+                cache,
+                torch.arange(width, device=device),
+                torch.tensor(tokens, device=device).unsqueeze(1),
+                torch.tensor(positions, device=device).unsqueeze(1),
+                contiguous=True,
+            )
+            if len(slots) != width:
+                logits = logits[torch.tensor(slots, device=device)]
+            ordered = [active[i] for i in slots]
+            self._choose(logits, ordered, row_sampling)
+        return [s for s in ordered if s.stop_reason is not None]
+
+    def _forward(self, cache: SlotKVCache, slots: list[int], token_lists: list[Sequence[int]], *, start: int) -> torch.Tensor:
+        """Feed ``token_lists[i]`` (positions ``start..``) to slot ``slots[i]``; last-token logits ``[n, V]``.
+
+        Rows are left-padded so that every row's last token is the last column.
+        """
+        width = max(len(t) for t in token_lists)
+        tokens = torch.zeros(len(token_lists), width, dtype=torch.long)
+        positions = torch.full((len(token_lists), width), -1, dtype=torch.long)
+        for i, toks in enumerate(token_lists):
+            tokens[i, width - len(toks) :] = torch.tensor(toks, dtype=torch.long)
+            positions[i, width - len(toks) :] = torch.arange(start, start + len(toks))
+        device = cache.device
+        return self._forward_rows(cache, torch.tensor(slots, device=device), tokens.to(device), positions.to(device))
+
+    def _forward_rows(
+        self, cache: SlotKVCache, rows: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, *, contiguous: bool = False
+    ) -> torch.Tensor:
+        mask = cache.plan(rows, positions, contiguous=contiguous)
+        out = self.model(
+            input_ids=tokens,
+            attention_mask=mask,
+            position_ids=positions.clamp(min=0),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1]
+
+    def _choose(self, logits: torch.Tensor, samples: list[_Sample], rows: RowSampling) -> None:
+        """Pick each sample's next token from its row of ``logits``, record it and its raw logprob."""
+        uniforms = torch.tensor(
+            [torch.rand((), generator=s.generator, dtype=torch.float64).item() if s.generator else 0.0 for s in samples],
+            dtype=torch.float64,
+            device=logits.device,
+        )
+        chosen = choose_tokens(logits, rows, uniforms)
+        logprobs = token_logprobs(logits, chosen, ledger=self.ledger)
+        for s, token, logprob in zip(samples, chosen.tolist(), logprobs.tolist()):
+            s.token_ids.append(token)
+            s.logprobs.append(logprob)
+            self._check_stop(s)
+
+    def _check_stop(self, s: _Sample) -> None:
+        sampling = s.request.sampling
+        if s.token_ids[-1] in s.stop_ids:
+            s.stop_reason = "stop"
+            return
+        if sampling.stop:
+            text = self.tokenizer.decode(s.token_ids, skip_special_tokens=True)
+            # Only a match that ends in the newest token's text is new; look back far enough for it.
+            tail = max(0, len(text) - len(self.tokenizer.decode(s.token_ids[-1:], skip_special_tokens=True)))
+            found = [i for i in (text.find(stop, max(0, tail - len(stop) + 1)) for stop in sampling.stop) if i >= 0]
+            if found:
+                s.stop_reason = "stop"
+                s.text_end = min(found)
+                return
+        if len(s.token_ids) >= sampling.max_tokens:
+            s.stop_reason = "length"
+
+    def _finish(self, s: _Sample) -> GeneratedSample:
+        text = self.tokenizer.decode(s.token_ids, skip_special_tokens=True)
+        if s.text_end is not None:
+            text = text[: s.text_end]
+        return GeneratedSample(
+            request_id=s.request.request_id,
+            sample_index=s.index,
+            prompt_token_ids=s.request.prompt_token_ids,
+            token_ids=s.token_ids,
+            logprobs=s.logprobs,
+            text=text,
+            stop_reason=s.stop_reason or "length",
+        )
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _new_samples(self, request: GenerationRequest) -> list[_Sample]:
+        sampling = request.sampling
+        seed = sampling.seed if sampling.seed is not None else sample_seed(self.seed, (1 << 40) + next(self._unseeded))
+        stop_ids = frozenset(self.eos_ids) | frozenset(sampling.stop_token_ids)
+        out = []
+        for index in range(sampling.n):
+            generator = None
+            if sampling.temperature > 0:
+                generator = torch.Generator(device="cpu")
+                generator.manual_seed(sample_seed(seed, index))
+            out.append(_Sample(request=request, index=index, generator=generator, stop_ids=stop_ids))
+        return out
+
+    def _row_sampling(self, samples: list[_Sample]) -> RowSampling:
+        return RowSampling(
+            [s.request.sampling.temperature for s in samples],
+            [s.request.sampling.top_p for s in samples],
+            [s.request.sampling.top_k for s in samples],
+            device=self._cache.device if self._cache is not None else torch.device("cpu"),
+        )
+
+    def _ensure_cache(self, num_slots: int, capacity: int) -> SlotKVCache:
+        cache = self._cache
+        if cache is None or cache.num_slots < num_slots or cache.capacity < capacity:
+            self._cache = None  # free the old one before allocating the new
+            self._cache = SlotKVCache(
+                num_layers=self.model.config.get_text_config().num_hidden_layers,
+                num_slots=max(num_slots, cache.num_slots if cache else 0),
+                capacity=_round_up(max(capacity, cache.capacity if cache else 0), 64),
+                dtype=self.model.dtype,
+                device=self.options.device,
+            )
+        return self._cache
+
+    def _validate(self, request: GenerationRequest) -> None:
+        where = f"request {request.request_id!r}"
+        sp = request.sampling
+        if not request.prompt_token_ids:
+            raise ValueError(f"{where}: prompt_token_ids is empty")
+        bad = [t for t in request.prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{where}: prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        if sp.n < 1:
+            raise ValueError(f"{where}: sampling.n must be >= 1, got {sp.n}")
+        if sp.max_tokens < 1:
+            raise ValueError(f"{where}: sampling.max_tokens must be >= 1, got {sp.max_tokens}")
+        if sp.temperature < 0:
+            raise ValueError(f"{where}: sampling.temperature must be >= 0, got {sp.temperature}")
+        if not 0 < sp.top_p <= 1:
+            raise ValueError(f"{where}: sampling.top_p must be in (0, 1], got {sp.top_p}")
+        if sp.top_k < 0:
+            raise ValueError(f"{where}: sampling.top_k must be >= 0 (0: off), got {sp.top_k}")
+        if any(not s for s in sp.stop):
+            raise ValueError(f"{where}: sampling.stop contains an empty string")
+        length = len(request.prompt_token_ids) + sp.max_tokens
+        if length > self.max_model_len:
+            raise ValueError(
+                f"{where}: prompt ({len(request.prompt_token_ids)} tokens) + max_tokens ({sp.max_tokens}) = {length} "
+                f"exceeds max_model_len {self.max_model_len}"
+            )
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (getattr(self.tokenizer, "eos_token_id", None), getattr(self.model.generation_config, "eos_token_id", None)):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source is not None:
+                ids.update(int(i) for i in source)
+        return ids
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this TorchEngine is closed")
+
+
+def _common_prefix_len(sequences: list[Sequence[int]]) -> int:
+    first = sequences[0]
+    n = min(len(s) for s in sequences)
+    for i in range(n):
+        t = first[i]
+        if any(s[i] != t for s in sequences):
+            return i
+    return n
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple

@@ -1,0 +1,65 @@
+"""Options of the native engine (``engine: {name: torch, options: {...}}``). Light: no torch import."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+ATTENTION_KINDS = ("model", "sdpa", "eager")
+DEVICES = ("cpu", "cuda")
+
+
+def _positive_int(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{attribute.name} must be an integer >= 1; got {value!r}")
+
+
+def _optional_positive_int(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None:
+        _positive_int(instance, attribute, value)
+
+
+def _non_negative_int(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{attribute.name} must be an integer >= 0; got {value!r}")
+
+
+def _one_of(*allowed: str):
+    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if value not in allowed:
+            raise ValueError(f"{attribute.name} must be one of {', '.join(allowed)}; got {value!r}")
+
+    return check
+
+
+@attrs.frozen(kw_only=True)
+class TorchEngineOptions:
+    """How the native engine batches and where it keeps its KV cache."""
+
+    max_num_seqs: int = attrs.field(
+        default=64,
+        validator=_positive_int,
+        metadata={"help": "KV-cache slots: samples decoded together; more samples wait and join as others finish"},
+    )
+    max_model_len: int | None = attrs.field(
+        default=None,
+        validator=_optional_positive_int,
+        metadata={"help": "longest prompt + response in tokens (default: the model's max_position_embeddings)"},
+    )
+    shared_prefix_min_tokens: int = attrs.field(
+        default=16,
+        validator=_non_negative_int,
+        metadata={
+            "help": "prefill a prefix common to the prompts admitted together only once when it is at least "
+            "this long (0: never)"
+        },
+    )
+    attention: str = attrs.field(
+        default="sdpa",
+        validator=_one_of(*ATTENTION_KINDS),
+        metadata={"help": "attention kernel: sdpa (fast), eager, or model (whatever the loaded model uses)"},
+    )
+    device: str = attrs.field(
+        default="cpu", validator=_one_of(*DEVICES), metadata={"help": "where the model and KV cache live"}
+    )

@@ -1,0 +1,33 @@
+"""The inference-engine contract suite on skyrl-torch, for a tied-embedding Qwen3 and an untied Llama."""
+
+import pytest
+
+from skyrl_core.config.schema import ModelConfig
+from skyrl_core.testing.engine_contract import TINY_QWEN3, EngineContract
+from skyrl_torch.engine import TorchEngine
+from skyrl_torch.options import TorchEngineOptions
+
+TINY_LLAMA = {**TINY_QWEN3, "model_type": "llama", "tie_word_embeddings": False}
+
+
+@pytest.mark.parametrize("model_config", [TINY_QWEN3, TINY_LLAMA], ids=["qwen3-tied", "llama-untied"], indirect=True, scope="class")
+class TestTorchEngineContract(EngineContract):
+    @pytest.fixture(scope="class")
+    @classmethod
+    def model_config(cls, request):
+        return ModelConfig(config=dict(request.param))
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def engine_factory(cls):
+        # Few slots, so the suite also exercises waiting samples joining as others finish.
+        return lambda model, seed: TorchEngine(model, TorchEngineOptions(max_num_seqs=4), seed=seed)
+
+
+class TestTorchEngineContractEager(EngineContract):
+    """The same contract through the model's eager attention instead of SDPA."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def engine_factory(cls):
+        return lambda model, seed: TorchEngine(model, TorchEngineOptions(attention="eager"), seed=seed)

@@ -1,0 +1,314 @@
+"""The contract test-suite of ``skyrl_core.interfaces.InferenceEngine``.
+
+An engine's tests subclass ``EngineContract`` and provide an ``engine_factory`` fixture of class
+scope (or wider) that returns ``make(model: ModelConfig, seed: int) -> InferenceEngine``::
+
+    class TestMyEngine(EngineContract):
+        @pytest.fixture(scope="class")
+        @classmethod
+        def engine_factory(cls):
+            return lambda model, seed: MyEngine(model, MyOptions(), seed=seed)
+
+The engine built from ``model_config`` (default: a tiny Qwen3 built from a config; override the
+fixture to change it) must hold the same weights as ``reference_model`` (default:
+``skyrl_core.models.load_causal_lm(model_config, seed=0)`` in fp32; override it when the engine
+loads weights another way). The suite checks:
+
+- one list of ``n`` samples per request, in request order, with ``sample_index`` 0..n-1;
+- seeded determinism: the same request and seed give the same tokens alone and inside a batch of
+  other requests; different seeds (and different samples of one request) differ;
+- ``max_tokens`` ends a sample with ``"length"``; a stop token id or a stop string ends it with
+  ``"stop"`` at the right token (the text excludes the stop string, ``token_ids`` end at the token
+  that completed it), the earliest of several stop strings wins;
+- temperature 0 (and top-k 1, and a tiny top-p) equal argmax decoding by full forwards of the
+  reference model;
+- every token's logprob equals the reference model's full-forward fp32 log-softmax within
+  ``logprob_atol`` (1e-5), whatever temperature / top-k / top-p sampled it (negative control: the
+  temperature-scaled distribution is measurably different);
+- ``update_weights`` makes outputs follow the new weights (and back); unknown names and wrong
+  shapes are refused naming the tensor;
+- ``sleep``/``wake`` keep generation working and unchanged; ``close`` is idempotent;
+- ``execution_contract()`` is JSON-able and names the engine's op sites.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any, Callable, Sequence
+
+import pytest
+import torch
+
+from skyrl_core.config.schema import ModelConfig
+from skyrl_core.types import GeneratedSample, GenerationRequest, SamplingParams
+
+TINY_QWEN3 = {
+    "model_type": "qwen3",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "vocab_size": 512,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": True,
+    # Larger than the default 0.02 so that next-token distributions are peaked rather than
+    # near-uniform: argmax gaps far above float noise, seeds that visibly matter.
+    "initializer_range": 0.2,
+}
+
+MODEL_SEED = 0
+
+# Printable-ASCII token ids (bytes for a ByteTokenizer; arbitrary tokens for a real vocabulary).
+CONTRACT_PROMPTS: tuple[tuple[int, ...], ...] = (
+    (72, 101, 108, 108, 111, 44, 32, 119),
+    (49, 43, 50, 61),
+    (84, 104, 101, 32, 113, 117, 105, 99, 107, 32, 98, 114, 111, 119, 110),
+    (65,),
+)
+
+
+def request(prompt: Sequence[int], request_id: str = "r", **sampling: Any) -> GenerationRequest:
+    return GenerationRequest(request_id=request_id, prompt_token_ids=tuple(prompt), sampling=SamplingParams(**sampling))
+
+
+def full_forward_logprobs(model: torch.nn.Module, prompt: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+    """fp32 log-softmax of ``tokens`` after ``prompt``, from one full forward of the whole sequence."""
+    ids = torch.tensor([list(prompt) + list(tokens)])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    positions = torch.arange(len(prompt) - 1, len(prompt) + len(tokens) - 1)
+    return logp[positions, torch.tensor(list(tokens), dtype=torch.long)]
+
+
+def argmax_decode(model: torch.nn.Module, prompt: Sequence[int], max_tokens: int) -> list[int]:
+    """Greedy decoding by a full forward per token (no cache): the reference for temperature 0."""
+    tokens: list[int] = []
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            logits = model(input_ids=torch.tensor([list(prompt) + tokens])).logits[0, -1]
+            tokens.append(int(logits.argmax()))
+    return tokens
+
+
+class EngineContract:
+    """Subclass it and provide ``engine_factory`` (class scope); see the module docstring."""
+
+    logprob_atol: float = 1e-5
+
+    # --- fixtures ----------------------------------------------------------------------------
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def model_config(cls) -> ModelConfig:
+        return ModelConfig(config=dict(TINY_QWEN3))
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def engine_factory(cls) -> Callable[[ModelConfig, int], Any]:
+        raise NotImplementedError("an EngineContract subclass must provide the engine_factory fixture")
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def engine(cls, engine_factory, model_config):
+        """The engine most tests share; tests that change its weights restore them."""
+        engine = engine_factory(model_config, MODEL_SEED)
+        yield engine
+        engine.close()
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def reference_model(cls, model_config) -> torch.nn.Module:
+        import attrs
+
+        from skyrl_core.models import load_causal_lm
+
+        return load_causal_lm(attrs.evolve(model_config, dtype="float32"), seed=MODEL_SEED).eval()
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def tokenizer(cls, model_config) -> Any:
+        from skyrl_core.models import load_tokenizer
+
+        return load_tokenizer(model_config)
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def prompts(cls) -> tuple[tuple[int, ...], ...]:
+        return CONTRACT_PROMPTS
+
+    # --- shape of the answer -------------------------------------------------------------------
+
+    def test_one_list_of_n_samples_per_request_in_order(self, engine, prompts):
+        requests = [request(p, f"req-{i}", n=n, max_tokens=6, seed=i) for i, (p, n) in enumerate(zip(prompts, (1, 3, 2, 1)))]
+        out = engine.generate(requests)
+        assert len(out) == len(requests)
+        for req, group in zip(requests, out):
+            assert len(group) == req.sampling.n
+            for index, sample in enumerate(group):
+                assert isinstance(sample, GeneratedSample)
+                assert sample.request_id == req.request_id
+                assert sample.sample_index == index
+                assert tuple(sample.prompt_token_ids) == req.prompt_token_ids
+                assert 1 <= len(sample.token_ids) <= 6
+                assert len(sample.logprobs) == len(sample.token_ids)
+                assert sample.stop_reason in ("stop", "length")
+                if len(sample.token_ids) < 6:
+                    assert sample.stop_reason == "stop"
+        assert engine.generate([]) == []
+
+    # --- seeds ---------------------------------------------------------------------------------
+
+    def test_same_seed_same_tokens_whatever_the_batch(self, engine, prompts):
+        target = request(prompts[0], "target", n=2, max_tokens=12, seed=7, temperature=1.0)
+        alone = engine.generate([target])[0]
+        again = engine.generate([target])[0]
+        others = [request(p, f"other-{i}", n=3, max_tokens=5 + i, seed=100 + i) for i, p in enumerate(prompts[1:])]
+        in_batch = engine.generate([others[0], target, *others[1:]])[1]
+        for a, b, c in zip(alone, again, in_batch):
+            assert a.token_ids == b.token_ids == c.token_ids
+            assert max(abs(x - y) for x, y in zip(a.logprobs, c.logprobs)) <= self.logprob_atol
+
+    def test_different_seeds_and_samples_differ(self, engine, prompts):
+        out = engine.generate(
+            [request(prompts[2], "a", seed=1, n=2, max_tokens=16), request(prompts[2], "b", seed=2, max_tokens=16)]
+        )
+        (a0, a1), (b0,) = out
+        assert a0.token_ids != b0.token_ids
+        assert a0.token_ids != a1.token_ids
+
+    # --- stopping ------------------------------------------------------------------------------
+
+    def test_max_tokens_ends_with_length(self, engine, prompts):
+        out = engine.generate([request(p, str(i), n=4, max_tokens=5, seed=i) for i, p in enumerate(prompts)])
+        samples = [s for group in out for s in group]
+        assert any(s.stop_reason == "length" for s in samples)
+        for s in samples:
+            assert len(s.token_ids) == 5 if s.stop_reason == "length" else len(s.token_ids) <= 5
+
+    def test_stop_token_id_ends_at_that_token(self, engine, prompts):
+        base = request(prompts[2], "s", seed=3, max_tokens=16)
+        free = engine.generate([base])[0][0]
+        assert len(free.token_ids) >= 6, "the free run must be long enough to pick a stop token from"
+        stop_id = free.token_ids[4]
+        cut = free.token_ids.index(stop_id) + 1
+        stopped = engine.generate([request(prompts[2], "s", seed=3, max_tokens=16, stop_token_ids=(stop_id,))])[0][0]
+        assert stopped.stop_reason == "stop"
+        assert stopped.token_ids == free.token_ids[:cut]
+        assert stopped.logprobs == pytest.approx(free.logprobs[:cut], abs=self.logprob_atol)
+
+    def test_stop_string_ends_at_the_token_that_completes_it(self, engine, tokenizer, prompts):
+        base = dict(seed=11, max_tokens=24, temperature=1.0)
+        free = engine.generate([request(prompts[0], "s", **base)])[0][0]
+        text = free.text
+        # Two single-character stop strings from the free text (ASCII letters/digits decode the
+        # same in every prefix); whichever occurs first must end the sample.
+        candidates = [i for i, ch in enumerate(text) if ch.isascii() and ch.isalnum() and i > 0]
+        assert len(candidates) >= 2, f"the free run produced too little plain text: {text!r}"
+        stops = (text[candidates[-1]], text[candidates[0]])
+        first = min(text.find(s) for s in stops)
+        stopped = engine.generate([request(prompts[0], "s", stop=stops, **base)])[0][0]
+        assert stopped.stop_reason == "stop"
+        assert stopped.text == text[:first]
+        n = len(stopped.token_ids)
+        assert stopped.token_ids == free.token_ids[:n]
+        assert any(s in tokenizer.decode(stopped.token_ids, skip_special_tokens=True) for s in stops)
+        assert not any(s in tokenizer.decode(stopped.token_ids[:-1], skip_special_tokens=True) for s in stops)
+
+    # --- greedy and logprobs against the reference model ---------------------------------------
+
+    @pytest.mark.parametrize(
+        "sampling", [dict(temperature=0.0), dict(temperature=1.0, top_k=1), dict(temperature=0.8, top_p=1e-6)],
+        ids=["temperature0", "top_k1", "top_p_tiny"],
+    )
+    def test_greedy_equals_reference_argmax(self, engine, reference_model, prompts, sampling):
+        out = engine.generate([request(p, str(i), n=2, max_tokens=8, seed=i, **sampling) for i, p in enumerate(prompts[:3])])
+        for p, group in zip(prompts, out):
+            expected = argmax_decode(reference_model, p, 8)
+            for s in group:
+                assert list(s.token_ids) == expected[: len(s.token_ids)]
+                assert len(s.token_ids) == 8 or s.stop_reason == "stop"
+
+    @pytest.mark.parametrize(
+        "sampling",
+        [dict(temperature=1.0), dict(temperature=0.7, top_k=20), dict(temperature=1.3, top_p=0.9), dict(temperature=0.0)],
+        ids=["t1", "t0.7_topk20", "t1.3_topp0.9", "greedy"],
+    )
+    def test_logprobs_equal_reference_log_softmax(self, engine, reference_model, prompts, sampling):
+        out = engine.generate([request(p, str(i), n=2, max_tokens=10, seed=20 + i, **sampling) for i, p in enumerate(prompts)])
+        worst = 0.0
+        for p, group in zip(prompts, out):
+            for s in group:
+                expected = full_forward_logprobs(reference_model, p, s.token_ids)
+                got = torch.tensor(s.logprobs, dtype=torch.float32)
+                worst = max(worst, (got - expected).abs().max().item())
+                assert torch.all(got <= 0)
+        assert worst <= self.logprob_atol, f"max |engine - reference| = {worst:.3g}"
+
+    def test_logprobs_are_not_temperature_scaled(self, engine, reference_model, prompts):
+        """Negative control for the test above: at temperature 0.5 the scaled distribution differs."""
+        s = engine.generate([request(prompts[2], "t", seed=5, max_tokens=10, temperature=0.5)])[0][0]
+        ids = torch.tensor([list(prompts[2]) + list(s.token_ids)])
+        with torch.no_grad():
+            logits = reference_model(input_ids=ids).logits[0].float()
+        positions = torch.arange(len(prompts[2]) - 1, ids.shape[1] - 1)
+        scaled = torch.log_softmax(logits / 0.5, dim=-1)[positions, torch.tensor(s.token_ids)]
+        raw = torch.log_softmax(logits, dim=-1)[positions, torch.tensor(s.token_ids)]
+        got = torch.tensor(s.logprobs)
+        assert (got - raw).abs().max() <= self.logprob_atol
+        assert (got - scaled).abs().max() > 1e-3
+
+    # --- weights ---------------------------------------------------------------------------------
+
+    def test_update_weights_changes_outputs_to_the_new_weights(self, engine, reference_model, prompts):
+        original = {name: p.detach().clone() for name, p in reference_model.named_parameters()}
+        gen = torch.Generator().manual_seed(1234)
+        perturbed = {name: p + 0.1 * torch.randn(p.shape, generator=gen) for name, p in original.items()}
+        new_model = copy.deepcopy(reference_model)
+        new_model.load_state_dict(perturbed, strict=False)
+        greedy = [request(p, str(i), temperature=0.0, max_tokens=8) for i, p in enumerate(prompts[:3])]
+        before = engine.generate(greedy)
+        try:
+            engine.update_weights(perturbed.items())
+            after = engine.generate(greedy)
+            sampled = engine.generate([request(prompts[0], "x", seed=9, max_tokens=8)])[0][0]
+        finally:
+            engine.update_weights(original.items())
+        for p, b, a in zip(prompts, before, after):
+            assert list(a[0].token_ids) == argmax_decode(new_model, p, 8)[: len(a[0].token_ids)]
+        assert [g[0].token_ids for g in before] != [g[0].token_ids for g in after]
+        expected = full_forward_logprobs(new_model, prompts[0], sampled.token_ids)
+        assert (torch.tensor(sampled.logprobs) - expected).abs().max() <= self.logprob_atol
+        restored = engine.generate(greedy)
+        assert [g[0].token_ids for g in restored] == [g[0].token_ids for g in before]
+
+    def test_update_weights_refuses_unknown_names_and_wrong_shapes(self, engine, reference_model):
+        with pytest.raises((KeyError, ValueError), match="no_such_tensor"):
+            engine.update_weights([("model.no_such_tensor.weight", torch.zeros(2))])
+        name, param = next(iter(reference_model.named_parameters()))
+        with pytest.raises(ValueError, match="shape"):
+            engine.update_weights([(name, torch.zeros(*param.shape, 3))])
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    def test_sleep_and_wake_keep_generation_unchanged(self, engine, prompts):
+        req = request(prompts[1], "z", seed=4, n=2, max_tokens=8)
+        before = engine.generate([req])
+        engine.sleep()
+        engine.wake()
+        after = engine.generate([req])
+        assert [s.token_ids for s in before[0]] == [s.token_ids for s in after[0]]
+
+    def test_execution_contract_is_json_and_names_engine_sites(self, engine):
+        contract = engine.execution_contract()
+        text = json.dumps(contract, sort_keys=True)
+        assert "engine_prefill" in text and "engine_decode" in text
+
+    def test_close_is_idempotent(self, engine_factory, model_config, prompts):
+        engine = engine_factory(model_config, MODEL_SEED)
+        assert engine.generate([request(prompts[3], "c", max_tokens=2, seed=0)])[0][0].token_ids
+        engine.close()
+        engine.close()
