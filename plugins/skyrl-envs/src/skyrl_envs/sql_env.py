@@ -155,11 +155,14 @@ class SQLEnv(EpisodeEnv):
         messages = prompt_messages(sample, self.name)
         self._connection = open_read_only(self.database_path(sample))
         try:
-            _, self._gold_rows, too_many = run_query(self._connection, gold_sql, timeout_seconds=self.options.timeout_seconds * 5,
-                                                     max_rows=self.options.max_result_rows)
+            # The gold query is trusted but may be heavier than the model's: it gets 5x the time.
+            _, self._gold_rows, too_many = run_query(self._connection, gold_sql, max_rows=self.options.max_result_rows,
+                                                     timeout_seconds=self.options.timeout_seconds * 5)
         except QueryError as error:
+            self.close()
             raise ValueError(f"sql: the gold query of this row fails: {error}: {gold_sql!r}") from None
         if too_many:
+            self.close()
             raise ValueError(f"sql: the gold query returns more than {self.options.max_result_rows} rows: {gold_sql!r}")
         return messages
 

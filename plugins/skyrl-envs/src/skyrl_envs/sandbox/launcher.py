@@ -168,7 +168,8 @@ def set_limits(config):
 
 
 def drop_privileges(config, privileged):
-    last_cap = int(open("/proc/sys/kernel/cap_last_cap").read())
+    with open("/proc/sys/kernel/cap_last_cap") as handle:
+        last_cap = int(handle.read())
     for cap in range(last_cap + 1):  # an empty bounding set: exec can never grant a capability
         check(libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), f"prctl(PR_CAPBSET_DROP, {cap})")
     check(libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0), "prctl(PR_CAP_AMBIENT_CLEAR_ALL)")
