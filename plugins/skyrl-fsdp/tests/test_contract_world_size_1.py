@@ -32,4 +32,4 @@ class TestFSDPWorldSize1(BackendContract):
     @pytest.fixture(scope="class")
     @classmethod
     def backend_factory(cls):
-        return lambda model, trainer, seed: FSDPBackend(model, FSDPOptions(world_size=1), seed=seed, trainer=trainer)
+        return lambda model, trainer, seed: FSDPBackend(model, FSDPOptions(world_size=1, device="cpu"), seed=seed, trainer=trainer)

@@ -36,12 +36,12 @@ class TestFSDPWorldSize2(BackendContract):
     @pytest.fixture(scope="class")
     @classmethod
     def backend_factory(cls, ray_session):
-        return lambda model, trainer, seed: FSDPBackend(model, FSDPOptions(world_size=2, reuse_workers=True), seed=seed, trainer=trainer)
+        return lambda model, trainer, seed: FSDPBackend(model, FSDPOptions(world_size=2, device="cpu", reuse_workers=True), seed=seed, trainer=trainer)
 
 
 def train_curve(world_size: int, batch, steps: int = 5, micro_batch_size: int = 2) -> tuple[torch.Tensor, list[tuple[float, float]]]:
     trainer = TrainerConfig(lr=1e-3, micro_batch_size=micro_batch_size, lr_schedule="linear", warmup_steps=1, steps=steps)
-    with FSDPBackend(ModelConfig(config=dict(TINY_QWEN3)), FSDPOptions(world_size=world_size, reuse_workers=True), trainer=trainer) as backend:
+    with FSDPBackend(ModelConfig(config=dict(TINY_QWEN3)), FSDPOptions(world_size=world_size, device="cpu", reuse_workers=True), trainer=trainer) as backend:
         first_logprobs = backend.forward(batch)
         curve = []
         for _ in range(steps):
@@ -86,7 +86,7 @@ def test_a_failing_loss_closes_the_backend_instead_of_hanging(ray_session):
             raise ValueError("loss blew up")
         return mean_logprob_loss(logprobs, micro_batch)
 
-    backend = FSDPBackend(ModelConfig(config=dict(TINY_QWEN3)), FSDPOptions(world_size=2, reuse_workers=True))
+    backend = FSDPBackend(ModelConfig(config=dict(TINY_QWEN3)), FSDPOptions(world_size=2, device="cpu", reuse_workers=True))
     with pytest.raises(ValueError, match="loss blew up"):
         backend.forward_backward(batch, loss_failing_on_one_rank)
     with pytest.raises(RuntimeError, match="closed"):

@@ -60,7 +60,8 @@ def resolve_device(device: str) -> torch.device:
 def _acquire_process_group(device: torch.device, rank: int, world_size: int, init_method: str | None) -> None:
     global _process_group_users, _process_group_owned
     if not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        # Where CUDA exists, one group serves both devices: in-process backends of either kind share it.
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
         if init_method is None:  # one in-process rank: an in-memory store, no port to pick
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         else:
@@ -98,6 +99,10 @@ def _on_device(batch: TrainingBatch, device: torch.device) -> TrainingBatch:
         if isinstance(value := getattr(batch, f.name), torch.Tensor)
     }
     return attrs.evolve(batch, **moved)
+
+
+def _scalar(value: Any) -> float:
+    return float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -246,7 +251,7 @@ class FSDPRank:
                     loss, metrics = logprobs.sum() * 0.0, {}
                 loss.backward()
             if real:
-                results.append({**{k: float(v) for k, v in metrics.items()}, "loss": float(loss.detach())})
+                results.append({**{k: _scalar(v) for k, v in metrics.items()}, "loss": _scalar(loss)})
         return results
 
     def optim_step(self) -> dict[str, float]:
@@ -311,7 +316,7 @@ class FSDPRank:
 
     def load_checkpoint(self, path: str) -> None:
         """Restore what ``save_checkpoint`` wrote (any world size; RNG per rank when it matches)."""
-        state = torch.load(os.path.join(path, TRAINER_STATE_FILE), weights_only=False)
+        state = torch.load(os.path.join(path, TRAINER_STATE_FILE), weights_only=True)
         if state.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"{path}: checkpoint format {state.get('format')!r}, this backend reads {CHECKPOINT_FORMAT}")
         full = StateDictOptions(full_state_dict=True)

@@ -1,0 +1,145 @@
+"""What the contract suite does not cover: bf16 mixed precision, the entropy keyword, RNG in
+checkpoints, tokenizers in exported directories, batch validation."""
+
+import os
+
+import pytest
+import torch
+
+from skyrl_core.config.schema import ModelConfig, TrainerConfig
+from skyrl_core.testing.backend_contract import (
+    PROMPT_LENGTHS,
+    RESPONSE_LENGTHS,
+    TINY_QWEN3,
+    hf_model_with,
+    make_batch,
+    mean_logprob_loss,
+    random_sequences,
+    reference_logprobs,
+)
+from skyrl_core.types import TrainingBatch
+from skyrl_fsdp.backend import FSDPBackend
+from skyrl_fsdp.options import FSDPOptions
+
+MODEL = ModelConfig(config=dict(TINY_QWEN3))
+
+
+@pytest.fixture(scope="module")
+def sequences():
+    return random_sequences(PROMPT_LENGTHS, RESPONSE_LENGTHS, vocab_size=512)
+
+
+@pytest.fixture(scope="module")
+def batch(sequences):
+    return make_batch(*sequences)
+
+
+def backend(**options):
+    return FSDPBackend(MODEL, FSDPOptions(device="cpu", **options), trainer=TrainerConfig(lr=3e-3, micro_batch_size=2))
+
+
+def test_bf16_computes_in_bf16_keeps_fp32_masters_and_trains(batch):
+    with backend() as fp32, backend(mixed_precision="bf16") as bf16:
+        exact, mixed = fp32.forward(batch), bf16.forward(batch)
+        real = batch.attention_mask[:, batch.prompt_len :] == 1
+        gap = (exact - mixed)[real].abs()
+        assert gap.max().item() > 1e-4, "bf16 gave fp32 numbers: the compute dtype was not applied"
+        assert gap.max().item() < 0.1
+        assert all(t.dtype == torch.float32 for _, t in bf16.export_weights())
+        losses = []
+        for _ in range(4):
+            losses.append(bf16.forward_backward(batch, mean_logprob_loss)["loss"])
+            bf16.optim_step()
+        assert losses[-1] < losses[0] - 0.05, losses
+
+
+def test_a_loss_with_an_entropy_parameter_gets_the_token_entropy(batch, sequences):
+    seen = []
+
+    def loss_with_entropy(logprobs, micro_batch, entropy):
+        seen.append(entropy.detach().clone())
+        # Maximise entropy: a backend handing out a detached or wrong tensor would not move it.
+        return -(entropy * micro_batch.token_weights).sum(), {"entropy": float((entropy.detach() * micro_batch.loss_mask).sum())}
+
+    with backend() as fsdp:
+        hf = hf_model_with(MODEL, dict(fsdp.export_weights()))
+        fsdp.forward_backward(batch, loss_with_entropy)
+        fsdp.optim_step()
+        entropy = torch.cat(seen)
+        expected = torch.zeros_like(entropy)
+        with torch.no_grad():
+            for i, (prompt, response) in enumerate(zip(*sequences)):
+                logits = hf(input_ids=torch.tensor([prompt + response])).logits[0]
+                logp = torch.log_softmax(logits[len(prompt) - 1 : len(prompt) + len(response) - 1], -1)
+                expected[i, : len(response)] = -(logp.exp() * logp).sum(-1)
+        assert (entropy - expected).abs().max().item() < 1e-5
+        seen.clear()
+        fsdp.forward_backward(batch, loss_with_entropy)
+        after = torch.cat(seen)
+        assert (after * batch.token_weights).sum() > (entropy * batch.token_weights).sum()
+
+
+def test_checkpoint_restores_the_random_state(batch, tmp_path):
+    with backend() as fsdp:
+        fsdp.forward_backward(batch, mean_logprob_loss)
+        fsdp.optim_step()
+        fsdp.save_checkpoint(str(tmp_path / "ckpt"))
+        after_save = torch.rand(4)
+        fsdp.load_checkpoint(str(tmp_path / "ckpt"))
+        assert torch.equal(torch.rand(4), after_save)
+
+
+def test_checkpoint_directory_is_a_transformers_model(batch, sequences, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    with backend() as fsdp:
+        fsdp.forward_backward(batch, mean_logprob_loss)
+        fsdp.optim_step()
+        fsdp.save_checkpoint(str(tmp_path / "ckpt"))
+        loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "ckpt"), dtype=torch.float32).eval()
+        assert (fsdp.forward(batch) - reference_logprobs(loaded, *sequences)).abs().max().item() < 1e-5
+
+
+def _word_tokenizer(directory: str) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<unk>": 1, **{f"w{i}": i + 2 for i in range(100)}}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", unk_token="<unk>").save_pretrained(directory)
+
+
+def test_a_model_directory_round_trips_with_its_tokenizer(tmp_path):
+    from transformers import AutoTokenizer
+
+    with backend() as fsdp:
+        fsdp.save_hf(str(tmp_path / "base"))
+    _word_tokenizer(str(tmp_path / "base"))
+    with FSDPBackend(ModelConfig(path=str(tmp_path / "base")), FSDPOptions(device="cpu"), trainer=TrainerConfig()) as from_dir:
+        from_dir.save_hf(str(tmp_path / "out"))
+    assert os.path.isfile(tmp_path / "out" / "tokenizer.json")
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    assert tokenizer("w3 w7 nope")["input_ids"] == [5, 9, 1]
+
+
+def test_malformed_batches_are_refused_with_what_was_given(batch):
+    with backend() as fsdp:
+        no_prompt = TrainingBatch(
+            input_ids=batch.input_ids[:, batch.prompt_len :],
+            attention_mask=batch.attention_mask[:, batch.prompt_len :],
+            loss_mask=batch.loss_mask,
+        )
+        with pytest.raises(ValueError, match="no prompt token"):
+            fsdp.forward(no_prompt)
+        ragged = TrainingBatch(input_ids=batch.input_ids, attention_mask=batch.attention_mask[:, 1:], loss_mask=batch.loss_mask)
+        with pytest.raises(ValueError, match=r"input_ids and attention_mask must both be \[B, P \+ R\]"):
+            fsdp.forward(ragged)
+
+
+def test_closed_backend_refuses_calls(batch):
+    fsdp = backend()
+    fsdp.close()
+    fsdp.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        fsdp.forward(batch)
