@@ -101,9 +101,11 @@ def world_writable_dir():
 
 
 # Outside targets the sandboxed program tries; the unsandboxed control tries only the first.
+# No system file is ever a target: if the sandbox were broken, the test must fail, not damage the
+# machine (a root-owned sentinel file stands in for /etc/passwd).
 def outside_targets(world_writable_dir: Path) -> list[str]:
-    return [f"{world_writable_dir}/pwned", "/etc/passwd", "../pwned", "/usr/pwned", "/var/tmp/pwned",
-            "/dev/shm/pwned", "/home/pwned", "/proc/sys/kernel/hostname", "link"]
+    return [f"{world_writable_dir}/pwned", str(world_writable_dir / "sentinel"), "../pwned", "/var/tmp/skyrl-pwned",
+            "/dev/shm/skyrl-pwned", "link"]
 
 
 def write_outside_program(targets: list[str], world_writable_dir: Path) -> str:
@@ -121,13 +123,17 @@ def write_outside_program(targets: list[str], world_writable_dir: Path) -> str:
 
 
 def test_writes_outside_the_private_directory_fail(world_writable_dir):
-    passwd_hash = hashlib.sha256(Path("/etc/passwd").read_bytes()).hexdigest()
+    sentinel = world_writable_dir / "sentinel"
+    sentinel.write_text("root-owned, read-only for others\n")
+    sentinel.chmod(0o644)
+    sentinel_hash = hashlib.sha256(sentinel.read_bytes()).hexdigest()
     result = attack(write_outside_program(outside_targets(world_writable_dir), world_writable_dir))
     assert result.exit_code == 0, result.stderr
     assert "WROTE" not in result.stdout
-    assert result.stdout.count("refused") == 9
-    assert list(world_writable_dir.iterdir()) == []
-    assert hashlib.sha256(Path("/etc/passwd").read_bytes()).hexdigest() == passwd_hash
+    assert result.stdout.count("refused") == 6
+    assert [p.name for p in world_writable_dir.iterdir()] == ["sentinel"]
+    assert hashlib.sha256(sentinel.read_bytes()).hexdigest() == sentinel_hash
+    assert not Path("/var/tmp/skyrl-pwned").exists() and not Path("/dev/shm/skyrl-pwned").exists()
 
 
 def test_files_under_hidden_directories_are_invisible():
