@@ -16,3 +16,12 @@ TINY_LLAMA = {
 }
 
 __all__ = ["TINY_LLAMA", "TINY_QWEN3"]
+
+
+def logprobs_minus_one(logits, token_ids, temperature=1.0):
+    """A stand-in for an installed logprobs implementation (IsoExec's canonical one): stock
+    log-softmax shifted by -1, so a test can tell which implementation ran."""
+    import torch
+
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return logp.gather(-1, token_ids.long().unsqueeze(-1)).squeeze(-1) - 1.0

@@ -18,8 +18,9 @@ import torch.distributed as dist
 
 
 class _SumAcrossRanks(torch.autograd.Function):
-    """All-reduce (sum) in forward, identity in backward: every rank computes the same loss from
-    the sum, so the gradient reaching each rank's addend is the gradient of the sum."""
+    """All-reduce (sum) in forward, identity in backward. Exact when every rank goes on to compute
+    the same loss from the sum alone (no per-rank partial terms downstream): then each rank's
+    gradient of the sum is the whole gradient, which is the gradient of its addend."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:  # noqa: ARG004 - autograd signature
@@ -52,24 +53,26 @@ class _GatherVocab(torch.autograd.Function):
         return grad[..., start : start + ctx.width].contiguous(), None
 
 
-def _masked_fp32(logits: torch.Tensor, vocab_start: int, vocab_size: int) -> torch.Tensor:
-    """fp32 logits with the vocabulary's padding entries set to -inf."""
+def _shifted_and_exp(logits: torch.Tensor, vocab_start: int, vocab_size: int, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``x - max`` (max over the whole distributed vocabulary, for stability only) and its
+    ``exp``, with the vocabulary's padding entries (global index >= ``vocab_size``) given exp 0.
+
+    Padding is zeroed after ``exp`` rather than set to -inf before it, so no inf or nan can reach
+    a gradient."""
     x = logits.float()
     width = x.shape[-1]
+    padding = None
     if vocab_start + width > vocab_size:
         padding = torch.arange(vocab_start, vocab_start + width, device=x.device) >= vocab_size
-        x = x.masked_fill(padding, float("-inf"))
-    return x
-
-
-def _shifted_and_log_normaliser(x: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x - max, log sum exp(x - max))`` over the whole (distributed) vocabulary."""
-    row_max = x.detach().amax(dim=-1)
+    real = x.detach() if padding is None else x.detach().masked_fill(padding, float("-inf"))
+    row_max = real.amax(dim=-1)
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
     shifted = x - row_max.unsqueeze(-1)
-    sum_exp = _SumAcrossRanks.apply(shifted.exp().sum(dim=-1), group)
-    return shifted, sum_exp.log()
+    exp = shifted.exp()
+    if padding is not None:
+        exp = torch.where(padding, torch.zeros_like(exp), exp)
+    return shifted, exp
 
 
 def vocab_parallel_logprobs(
@@ -77,22 +80,24 @@ def vocab_parallel_logprobs(
 ) -> torch.Tensor:
     """``log softmax(logits)[targets]`` in fp32, where ``logits`` is this rank's vocabulary slice
     starting at global index ``vocab_start`` (``[..., width]``) and ``targets`` are global ids."""
-    x = _masked_fp32(logits, vocab_start, vocab_size)
-    shifted, log_norm = _shifted_and_log_normaliser(x, group)
+    shifted, exp = _shifted_and_exp(logits, vocab_start, vocab_size, group)
+    sum_exp = _SumAcrossRanks.apply(exp.sum(dim=-1), group)
     local = targets.long() - vocab_start
-    mine = (local >= 0) & (local < x.shape[-1])
-    picked = shifted.gather(-1, local.clamp(0, x.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
+    mine = (local >= 0) & (local < shifted.shape[-1])
+    picked = shifted.gather(-1, local.clamp(0, shifted.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
     picked = _SumAcrossRanks.apply(torch.where(mine, picked, torch.zeros_like(picked)), group)
-    return picked - log_norm
+    return picked - sum_exp.log()
 
 
 def vocab_parallel_entropy(logits: torch.Tensor, *, vocab_start: int, vocab_size: int, group) -> torch.Tensor:
-    """Entropy ``-sum p log p`` in fp32 of the distribution whose slice on this rank is ``logits``."""
-    x = _masked_fp32(logits, vocab_start, vocab_size)
-    shifted, log_norm = _shifted_and_log_normaliser(x, group)
-    logp = shifted - log_norm.unsqueeze(-1)
-    p_logp = torch.where(torch.isfinite(logp), logp.exp() * logp, torch.zeros_like(logp))
-    return -_SumAcrossRanks.apply(p_logp.sum(dim=-1), group)
+    """Entropy ``-sum p log p`` in fp32 of the distribution whose slice on this rank is ``logits``.
+
+    Written as ``log Z - sum(e^s s) / Z`` so that both sums are all-reduced before any per-rank
+    use: then every rank holds the same full quantities, and identity backward is exact."""
+    shifted, exp = _shifted_and_exp(logits, vocab_start, vocab_size, group)
+    sum_exp = _SumAcrossRanks.apply(exp.sum(dim=-1), group)
+    weighted = _SumAcrossRanks.apply((exp * shifted).sum(dim=-1), group)
+    return sum_exp.log() - weighted / sum_exp
 
 
 def gather_vocab(logits: torch.Tensor, group) -> torch.Tensor:

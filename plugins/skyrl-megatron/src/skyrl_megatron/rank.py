@@ -217,8 +217,8 @@ class MegatronRank:
 
     # --- computation -------------------------------------------------------------------------
 
-    def _vocab_logits(self, batch: TrainingBatch, temperature: float) -> torch.Tensor:
-        """This rank's vocabulary slice of the logits predicting each response token: ``[B, R, V/tp]``."""
+    def _vocab_logits(self, batch: TrainingBatch) -> torch.Tensor:
+        """This rank's vocabulary slice of the raw logits predicting each response token: ``[B, R, V/tp]``."""
         ids, mask = batch.input_ids, batch.attention_mask
         P, R = batch.prompt_len, batch.response_len
         aligned, shift = left_align(ids, mask)
@@ -232,38 +232,37 @@ class MegatronRank:
         causal = None if self.use_transformer_engine else torch.ones(S, S, dtype=torch.bool, device=ids.device).triu(1)[None, None]
         logits = self.module(aligned, positions, attention_mask=causal)  # [B, S, V/tp]
         index = (first.clamp_min(0).unsqueeze(1) + torch.arange(R, device=ids.device)).unsqueeze(-1)
-        logits = logits.gather(1, index.expand(B, R, logits.shape[-1]))
-        if temperature != 1.0:
-            logits = logits.float() / temperature
-        return logits
+        return logits.gather(1, index.expand(B, R, logits.shape[-1]))
 
-    def _token_logprobs(self, logits: torch.Tensor, targets: torch.Tensor, site: str) -> torch.Tensor:
+    def _token_logprobs(self, logits: torch.Tensor, targets: torch.Tensor, site: str, temperature: float) -> torch.Tensor:
         impl = self.ledger.impl("logprobs", site)
         vocab = self.layout.vocab_size
         if impl is not None and impl.name != DEFAULT_IMPLS["logprobs"].name:
             # An installed implementation (IsoExec) sees the full logits, as at tensor parallel 1,
             # so its result does not depend on the tensor-parallel degree.
-            return token_logprobs(vp.gather_vocab(logits, self.tp_group)[..., :vocab], targets, ledger=self.ledger)
+            full = vp.gather_vocab(logits, self.tp_group)[..., :vocab]
+            return token_logprobs(full, targets, ledger=self.ledger, temperature=temperature)
         if self.tp == 1:
-            return token_logprobs(logits[..., :vocab], targets, ledger=self.ledger)
+            return token_logprobs(logits[..., :vocab], targets, ledger=self.ledger, temperature=temperature)
+        self.ledger.observe("logprobs", site, DEFAULT_IMPLS["logprobs"].name)
         return vp.vocab_parallel_logprobs(
-            logits, targets, vocab_start=self.tp_rank * self.vocab_width, vocab_size=vocab, group=self.tp_group
+            _scaled(logits, temperature), targets, vocab_start=self.tp_rank * self.vocab_width, vocab_size=vocab, group=self.tp_group
         )
 
     def _response_logprobs(
         self, batch: TrainingBatch, temperature: float, site: str, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         R = batch.response_len
-        logits = self._vocab_logits(batch, temperature)
+        logits = self._vocab_logits(batch)
         targets = batch.input_ids[:, -R:]
-        logprobs = self._token_logprobs(logits, targets, site)
+        logprobs = self._token_logprobs(logits, targets, site, temperature)
         real = batch.attention_mask[:, -R:].bool()
         zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
         logprobs = torch.where(real, logprobs, zero)
         entropy = None
         if with_entropy:
             entropy = vp.vocab_parallel_entropy(
-                logits,
+                _scaled(logits, temperature),
                 vocab_start=self.tp_rank * self.vocab_width,
                 vocab_size=self.layout.vocab_size,
                 group=self.tp_group,
@@ -402,6 +401,11 @@ class MegatronRank:
         for attr in ("optimizer", "module", "model"):
             self.__dict__.pop(attr, None)
         _release_parallel_state()
+
+
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """fp32 ``logits / temperature``, rounded as ``skyrl_core.ops.defaults.logprobs`` rounds it."""
+    return logits.float() if temperature == 1.0 else logits.float() / temperature
 
 
 def _rng_state() -> dict[str, Any]:
