@@ -55,10 +55,15 @@ _SITE_CLASS_SUFFIXES = ("RMSNorm", "RMSNormGated", "RotaryEmbedding", "Attention
 
 
 class OpDispatch:
-    """Resolves, per call, the implementation of an op at the current site, and observes it."""
+    """Resolves, per call, the implementation of an op at the current site, and observes it.
+
+    ``tap``, when set, is called as ``tap(op, module_name, output)`` after every op a patched module
+    computes (debugging: per-op digests).
+    """
 
     def __init__(self, ledger: OpLedger) -> None:
         self.ledger = ledger
+        self.tap: Callable[[str, str, Any], None] | None = None
         self._loaded: dict[str, Callable[..., Any]] = {}
 
     def resolve(self, op: str) -> Callable[..., Any] | None:
@@ -74,6 +79,17 @@ class OpDispatch:
         if fn is None:
             fn = self._loaded[impl.name] = impl.load_factory()
         return fn
+
+    def call(self, op: str, module: Any, stock: Callable[[], Any], installed: Callable[[Callable[..., Any]], Any]) -> Any:
+        """``stock()`` where the stock implementation is installed, else ``installed(fn)``."""
+        fn = self.resolve(op)
+        out = stock() if fn is None else installed(fn)
+        self.emit(op, module, out)
+        return out
+
+    def emit(self, op: str, module: Any, out: Any) -> None:
+        if self.tap is not None:
+            self.tap(op, getattr(module, "_skyrl_name", ""), out)
 
 
 def _bare_class_name(module: Any) -> str:
@@ -91,40 +107,45 @@ def _patch(module: Any, forward: Callable[..., Any]) -> None:
 
 
 def _linear_forward(module, x):
-    fn = module._skyrl_dispatch.resolve("linear")
-    if fn is None:
-        return module._skyrl_stock_forward(x)
-    return fn(x, module.weight, module.bias)
+    return module._skyrl_dispatch.call(
+        "linear", module, lambda: module._skyrl_stock_forward(x), lambda fn: fn(x, module.weight, module.bias)
+    )
 
 
 def _embedding_forward(module, ids):
-    fn = module._skyrl_dispatch.resolve("embedding")
-    if fn is None:
-        return module._skyrl_stock_forward(ids)
-    return fn(ids, module.weight, module.padding_idx)
+    return module._skyrl_dispatch.call(
+        "embedding", module, lambda: module._skyrl_stock_forward(ids), lambda fn: fn(ids, module.weight, module.padding_idx)
+    )
 
 
 def _rms_norm_forward(module, x, gate=None):
-    fn = module._skyrl_dispatch.resolve("rms_norm")
-    if fn is None:
+    def stock():
         return module._skyrl_stock_forward(x) if gate is None else module._skyrl_stock_forward(x, gate)
-    eps = getattr(module, "variance_epsilon", None)
-    eps = module.eps if eps is None else eps
-    return fn(x, module.weight, float(eps), module._skyrl_unit_offset, gate)
+
+    def installed(fn):
+        eps = getattr(module, "variance_epsilon", None)
+        return fn(x, module.weight, float(module.eps if eps is None else eps), module._skyrl_unit_offset, gate)
+
+    return module._skyrl_dispatch.call("rms_norm", module, stock, installed)
 
 
 def _rope_forward(module, x, position_ids):
-    fn = module._skyrl_dispatch.resolve("rope")
-    if fn is None:
-        return module._skyrl_stock_forward(x, position_ids)
-    return fn(module.inv_freq, float(module.attention_scaling), position_ids, x.dtype)
+    return module._skyrl_dispatch.call(
+        "rope",
+        module,
+        lambda: module._skyrl_stock_forward(x, position_ids),
+        lambda fn: fn(module.inv_freq, float(module.attention_scaling), position_ids, x.dtype),
+    )
 
 
 def _mlp_forward(module, x):
-    fn = module._skyrl_dispatch.resolve("silu_mul")
+    dispatch = module._skyrl_dispatch
+    fn = dispatch.resolve("silu_mul")
     if fn is None:
         return module._skyrl_stock_forward(x)
-    return module.down_proj(fn(module.gate_proj(x), module.up_proj(x)))
+    hidden = fn(module.gate_proj(x), module.up_proj(x))
+    dispatch.emit("silu_mul", module, hidden)
+    return module.down_proj(hidden)
 
 
 def _moe_block_forward(module, hidden_states):
@@ -139,12 +160,16 @@ def _moe_block_forward(module, hidden_states):
     x = hidden_states.reshape(-1, shape[-1])
     gate, experts = module.gate, module.experts
     weights, chosen = router(x, gate.weight, int(gate.top_k), bool(gate.norm_topk_prob))
+    dispatch.emit("moe_router", module, weights)
     expert_out = experts_fn(x, chosen, experts.gate_up_proj, experts.down_proj)
+    dispatch.emit("moe_experts", module, expert_out)
     shared_out = shared_logits = None
     if getattr(module, "shared_expert", None) is not None:
         shared_out = module.shared_expert(x)
         shared_logits = module.shared_expert_gate(x)
-    return combine(expert_out, weights, shared_out, shared_logits).reshape(shape)
+    out = combine(expert_out, weights, shared_out, shared_logits)
+    dispatch.emit("moe_combine", module, out)
+    return out.reshape(shape)
 
 
 # --- attention: a registered transformers attention function ------------------------------------
@@ -156,7 +181,9 @@ def _attention_function(module, query, key, value, attention_mask, scaling=None,
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if fn is None:
-        return _stock_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+        out = _stock_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+        dispatch.emit("attention", module, out[0])
+        return out
     if dropout:
         raise ValueError(f"attention dropout {dropout} is not supported by a non-stock attention implementation")
     if kwargs.get("sliding_window") is not None:
@@ -164,7 +191,9 @@ def _attention_function(module, query, key, value, attention_mask, scaling=None,
     if attention_mask is None:  # no padding, no cache offsets: plain causal
         tq, tk = query.shape[2], key.shape[2]
         attention_mask = _causal_visible(tq, tk, query.device)[None, None].expand(query.shape[0], 1, tq, tk)
-    return fn(query, key, value, attention_mask, float(scaling)), None
+    out = fn(query, key, value, attention_mask, float(scaling))
+    dispatch.emit("attention", module, out)
+    return out, None
 
 
 def _causal_visible(tq: int, tk: int, device: Any):
@@ -238,6 +267,7 @@ def patch_hf_model(model: Any, ledger: OpLedger) -> None:
 
     def claim(module, op, forward):
         module._skyrl_dispatch = dispatch
+        module._skyrl_name = qualname
         _patch(module, forward)
         counts[op] = counts.get(op, 0) + 1
 
@@ -266,6 +296,7 @@ def patch_hf_model(model: Any, ledger: OpLedger) -> None:
             counts["gdn_conv"] = counts.get("gdn_conv", 0) + 1
         elif name.endswith("Attention") and hasattr(module, "o_proj"):
             module._skyrl_dispatch = dispatch
+            module._skyrl_name = qualname
             has_attention = True
             counts["attention"] = counts.get("attention", 0) + 1
         elif name.endswith(_SITE_CLASS_SUFFIXES):

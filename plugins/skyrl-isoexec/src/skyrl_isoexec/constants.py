@@ -7,6 +7,7 @@ contract: bump the op's version in ``specs.py`` too.
 
 # Rows per GEMM block, by dtype: one fixed block shape per dtype (see kernels/linear.py).
 LINEAR_ROW_BLOCK = {"float32": 32, "bfloat16": 128}
+LINEAR_MIN_COLUMNS = 8  # narrower weights are zero-padded to this many output columns
 LINEAR_KERNEL = {"float32": "bmm(stride-0 weight)", "bfloat16": "F.linear per block"}
 
 # Attention GEMM blocks (see kernels/attention.py).

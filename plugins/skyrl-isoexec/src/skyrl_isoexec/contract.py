@@ -157,6 +157,17 @@ def fingerprint_violations(role: str, ledger: dict[str, Any]) -> list[str]:
     return problems
 
 
+def declared_contract(config: Any, role: str) -> dict[str, Any]:
+    """The contract ``role`` would declare for a run ``config`` (no model is built: what runs adds
+    the fingerprint). The dtype is the config's ``model.dtype``."""
+    from skyrl_core.ops import prepare_model
+    from skyrl_isoexec import state
+
+    ledger = prepare_model(None, role).as_dict()
+    ledger["model"]["dtype"] = config.model.dtype
+    return build_contract(role, ledger, enabled=state.enabled())
+
+
 # --- the handshake ------------------------------------------------------------------------------
 
 

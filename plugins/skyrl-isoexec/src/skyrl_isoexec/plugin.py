@@ -72,3 +72,11 @@ def skyrl_add_cli_commands(cli):
     from skyrl_isoexec.cli import isoexec_group
 
     cli.add_command(isoexec_group)
+
+
+@hookimpl
+def skyrl_worker_init(role):
+    """Inside a vLLM process of an engine with IsoExec on: install the canonical ops there."""
+    from skyrl_isoexec.vllm import worker_init
+
+    worker_init(role)

@@ -22,6 +22,7 @@ CANONICAL: dict[str, OpImplSpec] = {
             constants={
                 "row_block_float32": C.LINEAR_ROW_BLOCK["float32"],
                 "row_block_bfloat16": C.LINEAR_ROW_BLOCK["bfloat16"],
+                "min_columns": C.LINEAR_MIN_COLUMNS,
                 "kernel_float32": C.LINEAR_KERNEL["float32"],
                 "kernel_bfloat16": C.LINEAR_KERNEL["bfloat16"],
             },

@@ -3,7 +3,9 @@
 Measured on MKL/oneDNN (DESIGN.md section 6): a row of ``F.linear`` depends on how many rows are
 computed with it (M = 1..3 take other kernels; with 2 threads the tail rows of M = 5, 6, 7, 9 do),
 but within one fixed block shape the result of a row depends only on that row, at any position in
-the block and with 1 or 2 threads. fp32 runs every block in one ``bmm`` against a stride-0 weight;
+the block and with 1 or 2 threads, provided the weight has at least ``LINEAR_MIN_COLUMNS`` rows
+(a single output column takes a GEMV-like path whose rows depend on the block count; narrower
+weights are zero-padded). fp32 runs every block in one ``bmm`` against a stride-0 weight;
 bf16 runs ``F.linear`` per block (oneDNN's bf16 ``bmm`` is an order of magnitude slower).
 Gradients are the ordinary ones (``grad @ W``, ``grad.T @ x``): only the forward must be canonical.
 """
@@ -13,7 +15,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-ROW_BLOCK = {torch.float32: 32, torch.bfloat16: 128}
+from skyrl_isoexec.constants import LINEAR_MIN_COLUMNS, LINEAR_ROW_BLOCK
+
+ROW_BLOCK = {dtype: LINEAR_ROW_BLOCK[str(dtype).removeprefix("torch.")] for dtype in (torch.float32, torch.bfloat16)}
 
 
 def _padded_rows(x2: torch.Tensor, block: int) -> tuple[torch.Tensor, int]:
@@ -29,14 +33,16 @@ def row_block_matmul(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     block = ROW_BLOCK.get(x2.dtype)
     if block is None:
         raise TypeError(f"canonical linear supports {sorted(map(str, ROW_BLOCK))}, got {x2.dtype}")
-    rows = x2.shape[0]
+    rows, columns = x2.shape[0], weight.shape[0]
+    if columns < LINEAR_MIN_COLUMNS:  # a 1-column GEMM takes another kernel whose rows depend on M
+        weight = F.pad(weight, (0, 0, 0, LINEAR_MIN_COLUMNS - columns))
     padded, blocks = _padded_rows(x2.contiguous(), block)
     if x2.dtype == torch.float32:
         out = torch.bmm(padded.view(blocks, block, -1), weight.t().unsqueeze(0).expand(blocks, -1, -1))
         out = out.view(blocks * block, -1)
     else:
         out = torch.cat([F.linear(padded[i * block : (i + 1) * block], weight) for i in range(blocks)])
-    return out[:rows]
+    return out[:rows, :columns]
 
 
 class _RowBlockLinear(torch.autograd.Function):

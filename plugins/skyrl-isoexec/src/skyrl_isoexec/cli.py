@@ -1,0 +1,108 @@
+"""``skyrl isoexec ...``: contract inspection, end-to-end verification, digest traces.
+
+Heavy imports happen inside the commands, so that ``skyrl --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from skyrl_isoexec.presets import PRESETS
+
+
+@click.group("isoexec")
+def isoexec_group() -> None:
+    """IsoExec: bitwise-identical logprobs between trainer and engine."""
+
+
+@isoexec_group.group("contract")
+def contract_group() -> None:
+    """Execution contracts."""
+
+
+@contract_group.command("show")
+@click.argument("config_path", metavar="CONFIG")
+@click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
+def contract_show(config_path: str, overrides: tuple[str, ...]) -> None:
+    """Print the trainer's and engine's IsoExec contracts for CONFIG (JSON) and their hashes."""
+    from skyrl_core.cli.main import load_config_or_exit
+    from skyrl_isoexec import state
+    from skyrl_isoexec.contract import compare, declared_contract
+
+    cfg = load_config_or_exit(config_path, list(overrides))
+    section = cfg.plugins.get("isoexec")
+    if section is not None:
+        state.configure(section)
+    contracts = {role: declared_contract(cfg, role) for role in ("trainer", "engine")}
+    click.echo(json.dumps(contracts, indent=2, sort_keys=True))
+    for role, contract in contracts.items():
+        click.echo(f"{role} hash: {contract['hash']}")
+    problems = compare(contracts["trainer"], contracts["engine"])
+    for problem in problems:
+        click.echo(f"mismatch: {problem}")
+    if not state.enabled():
+        click.echo("isoexec is off for this config (isoexec.enabled: true or SKYRL_ISOEXEC=1 turns it on)")
+    sys.exit(1 if problems else 0)
+
+
+@isoexec_group.command("verify")
+@click.option("--preset", type=click.Choice(sorted(PRESETS)), help="A tiny random model of this family.")
+@click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False), help="A local Hugging Face model directory.")
+@click.option("--engine", default="torch", show_default=True, help="Registered inference engine to generate with.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Model, prompt and sampling seed.")
+@click.option("--batches", type=click.IntRange(min=1), default=3, show_default=True, help="Generation batches.")
+@click.option("--off", is_flag=True, help="Run with IsoExec off, to show the native mismatch.")
+def verify_command(preset, model_dir, engine, dtype, seed, batches, off) -> None:
+    """Generate with the engine, score the same tokens in the trainer, compare bits; exit 1 if any differ."""
+    if (preset is None) == (model_dir is None):
+        raise click.UsageError("give exactly one of --preset and --model")
+    from skyrl_isoexec.verify import verify
+
+    report = verify(
+        preset=preset, model_dir=model_dir, engine=engine, dtype=dtype, seed=seed, batches=batches, off=off, echo=click.echo
+    )
+    if report.contract_problems and not off:
+        click.echo("contract mismatch: the handshake would refuse this pair")
+    sys.exit(1 if report.differing or (report.contract_problems and not off) else 0)
+
+
+@isoexec_group.command("trace")
+@click.option("--preset", type=click.Choice(sorted(PRESETS)), required=True)
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--tokens", type=click.IntRange(min=2), default=12, show_default=True, help="Sequence length.")
+@click.option("--mode", type=click.Choice(["full", "decode"]), required=True,
+              help="full: one forward over the sequence (trainer_score); decode: token by token with a KV cache (engine_decode).")
+@click.option("--off", is_flag=True, help="Trace with IsoExec off.")
+@click.option("--out", "out_path", type=click.Path(dir_okay=False, writable=True), required=True)
+def trace_command(preset, dtype, seed, tokens, mode, off, out_path) -> None:
+    """Record per-token digests of every op's output (order-invariant: keyed by position) to OUT."""
+    from skyrl_isoexec.digest import trace
+
+    data = trace(preset=preset, dtype=dtype, seed=seed, tokens=tokens, mode=mode, off=off)
+    with open(out_path, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    click.echo(f"{len(data['records'])} op calls traced to {out_path} (digest {data['digest'][:16]})")
+
+
+@isoexec_group.command("compare")
+@click.argument("first", type=click.Path(exists=True, dir_okay=False))
+@click.argument("second", type=click.Path(exists=True, dir_okay=False))
+def compare_command(first, second) -> None:
+    """Name the first op (in model order) whose per-token digests differ between two traces."""
+    from skyrl_isoexec.digest import first_divergence
+
+    with open(first) as f:
+        a = json.load(f)
+    with open(second) as f:
+        b = json.load(f)
+    found = first_divergence(a, b)
+    if found is None:
+        click.echo("no divergence: every op's output is bitwise identical at every position")
+        sys.exit(0)
+    click.echo(found)
+    sys.exit(1)
