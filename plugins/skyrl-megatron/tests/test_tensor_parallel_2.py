@@ -13,7 +13,6 @@ from skyrl_core.testing.backend_contract import (
     assert_weights_bitwise_equal,
     bits,
     make_batch,
-    mean_logprob_loss,
     random_sequences,
 )
 from skyrl_megatron.backend import MegatronBackend
@@ -43,16 +42,28 @@ class TestMegatronTensorParallel2(BackendContract):
         return lambda model, trainer, seed: MegatronBackend(model, MegatronOptions(tensor_parallel=2), seed=seed, trainer=trainer)
 
 
-def train_curve(options: MegatronOptions, model: dict, batch, steps: int = 5) -> tuple[torch.Tensor, list[tuple[float, float]], torch.Tensor]:
-    """Logprobs before training, (loss, grad norm) per step, logprobs after training."""
+def make_loss_with_entropy_bonus():
+    """Token-mean negative logprob minus an entropy bonus: exercises the vocabulary-parallel entropy.
+
+    Made inside a function so that Ray pickles it by value: the actors cannot import test modules."""
+
+    def loss_with_entropy_bonus(logprobs, batch, entropy):
+        loss = -(logprobs * batch.token_weights).sum() - 0.1 * (entropy * batch.token_weights).sum()
+        return loss, {"entropy": float((entropy * batch.loss_mask).sum() / batch.loss_mask.sum())}
+
+    return loss_with_entropy_bonus
+
+
+def train_curve(options: MegatronOptions, model: dict, batch, steps: int = 5) -> tuple[torch.Tensor, list[tuple[float, float, float]], torch.Tensor]:
+    """Logprobs before training, (loss, grad norm, mean entropy) per step, logprobs after training."""
     trainer = TrainerConfig(lr=1e-3, micro_batch_size=2, lr_schedule="linear", warmup_steps=1, steps=steps, grad_clip=0.5)
     with MegatronBackend(ModelConfig(config=dict(model)), options, trainer=trainer) as backend:
         first_logprobs = backend.forward(batch)
         curve = []
         for _ in range(steps):
-            metrics = backend.forward_backward(batch, mean_logprob_loss)
+            metrics = backend.forward_backward(batch, make_loss_with_entropy_bonus())
             stats = backend.optim_step()
-            curve.append((metrics["loss"], stats["grad_norm"]))
+            curve.append((metrics["loss"], stats["grad_norm"], metrics["entropy"]))
         last_logprobs = backend.forward(batch)
     return first_logprobs, curve, last_logprobs
 
@@ -64,10 +75,11 @@ def test_tensor_parallel_1_and_2_train_the_same_curve(ray_session, model):
     logprobs_1, curve_1, trained_1 = train_curve(MegatronOptions(tensor_parallel=1), model, batch)
     logprobs_2, curve_2, trained_2 = train_curve(MegatronOptions(tensor_parallel=2), model, batch)
     assert (logprobs_1 - logprobs_2).abs().max().item() <= 1e-5
-    losses_1, norms_1 = zip(*curve_1)
-    losses_2, norms_2 = zip(*curve_2)
+    losses_1, norms_1, entropies_1 = zip(*curve_1)
+    losses_2, norms_2, entropies_2 = zip(*curve_2)
     assert losses_2 == pytest.approx(losses_1, rel=1e-4)
     assert norms_2 == pytest.approx(norms_1, rel=1e-4)
+    assert entropies_2 == pytest.approx(entropies_1, rel=1e-4)
     assert losses_1[-1] < losses_1[0]
     # grad_clip 0.5 is below the first norms: clipping happened, on the whole model's norm.
     assert norms_1[0] > 0.5
@@ -98,3 +110,20 @@ def test_hf_to_tensor_parallel_2_to_hf_is_bit_exact(ray_session, model):
     nudged = exported[name].clone()
     nudged.view(torch.int32)[0, 0] += 1
     assert not torch.equal(bits(nudged), bits(expected[name]))
+
+
+def test_a_failing_loss_on_one_replica_closes_the_backend_instead_of_hanging(ray_session):
+    batch = make_batch(*random_sequences((4, 2), (3, 3), vocab_size=512))
+    first_token_of_row_0 = int(batch.input_ids[0, -4])
+
+    def loss_failing_on_replica_0(logprobs, micro_batch):
+        if int(micro_batch.input_ids[0, -4]) == first_token_of_row_0:
+            raise ValueError("loss blew up")
+        return -(logprobs * micro_batch.token_weights).sum(), {}
+
+    backend = MegatronBackend(ModelConfig(config=dict(TINY_QWEN3)), MegatronOptions(world_size=2))
+    with pytest.raises(ValueError, match="loss blew up"):
+        backend.forward_backward(batch, loss_failing_on_replica_0)
+    with pytest.raises(RuntimeError, match="closed"):
+        backend.forward(batch)
+    backend.close()

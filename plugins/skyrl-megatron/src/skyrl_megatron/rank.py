@@ -310,22 +310,22 @@ class MegatronRank:
     # --- weights and state -------------------------------------------------------------------
 
     def _local_weights(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters in fp32 on the CPU."""
         return {name: p.detach().float().cpu() for name, p in self.model.named_parameters()}
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full fp32 weights by Hugging Face name on tensor-parallel rank 0 of replica 0 (``{}``
-        elsewhere). Collective over the tensor-parallel group."""
-        local = self._local_weights()
-        if self.tp == 1:
-            shards = [local]
-        else:
-            shards = [dict() for _ in range(self.tp)]
-            names = list(local)
-            for name in names:
-                parts = [torch.empty_like(local[name]) for _ in range(self.tp)]
-                dist.all_gather(parts, local[name].contiguous(), group=self.tp_group)
-                for r, part in enumerate(parts):
-                    shards[r][name] = part
+        """Full fp32 CPU weights by Hugging Face name on global rank 0 (``{}`` elsewhere).
+        Collective over the tensor-parallel group (gathered on the compute device: nccl needs CUDA)."""
+        shards: list[dict[str, torch.Tensor]] = [{} for _ in range(self.tp)]
+        for name, param in self.model.named_parameters():
+            local = param.detach().float().contiguous()
+            if self.tp == 1:
+                parts = [local]
+            else:
+                parts = [torch.empty_like(local) for _ in range(self.tp)]
+                dist.all_gather(parts, local, group=self.tp_group)
+            for r, part in enumerate(parts):
+                shards[r][name] = part.cpu()
         if self.rank != 0:
             return {}
         return megatron_to_hf(shards, self.layout, fused_norms=self.use_transformer_engine)
