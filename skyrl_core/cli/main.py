@@ -49,16 +49,23 @@ def plugins_list(as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps([r.as_dict() for r in rows], indent=2))
         return
+    import shutil
+
     from rich.console import Console
     from rich.table import Table
 
+    console = Console(width=max(shutil.get_terminal_size((140, 24)).columns, 100))
     table = Table(title="skyrl plugins")
-    for col in ("name", "version", "kind", "provides", "status"):
-        table.add_column(col, overflow="fold")
+    for col in ("name", "version", "kind", "status"):
+        table.add_column(col, no_wrap=True)
+    table.add_column("provides", overflow="fold", ratio=1)
     for r in rows:
-        status = "[green]ok[/]" if r.status == "ok" else f"[red]{r.status}[/]: {r.error}"
-        table.add_row(r.name, f"{r.distribution} {r.version}", r.kind, _group_provides(r.provides), status)
-    Console().print(table)
+        status = "[green]ok[/]" if r.status == "ok" else f"[red]{r.status}[/]"
+        table.add_row(r.name, f"{r.distribution} {r.version}", r.kind, status, _group_provides(r.provides))
+    console.print(table)
+    for r in rows:
+        if r.error:
+            console.print(f"[red]{r.name}[/]: {r.error}", markup=True, highlight=False)
 
 
 def _group_provides(provides: list[str]) -> str:
