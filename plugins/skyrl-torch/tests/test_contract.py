@@ -24,10 +24,12 @@ class TestTorchEngineContract(EngineContract):
         return lambda model, seed: TorchEngine(model, TorchEngineOptions(max_num_seqs=4), seed=seed)
 
 
-class TestTorchEngineContractEager(EngineContract):
-    """The same contract through the model's eager attention instead of SDPA."""
+class TestTorchEngineContractTransformers(EngineContract):
+    """The same contract through the model's own transformers modules (eager attention), the path
+    taken for architectures the native decoder does not cover and when an op plugin installs ops."""
 
     @pytest.fixture(scope="class")
     @classmethod
     def engine_factory(cls):
-        return lambda model, seed: TorchEngine(model, TorchEngineOptions(attention="eager"), seed=seed)
+        options = TorchEngineOptions(implementation="transformers", attention="eager")
+        return lambda model, seed: TorchEngine(model, options, seed=seed)

@@ -29,6 +29,7 @@ from skyrl_core.models import load_causal_lm, load_tokenizer
 from skyrl_core.ops import prepare_model, site_scope, token_logprobs
 from skyrl_core.types import GeneratedSample, GenerationRequest
 from skyrl_torch.kv_cache import SlotKVCache
+from skyrl_torch.native_decoder import NativeDecoder, unsupported_reason
 from skyrl_torch.options import TorchEngineOptions
 from skyrl_torch.sampling import RowSampling, choose_tokens, sample_seed
 
@@ -74,6 +75,7 @@ class TorchEngine:
             self.model.set_attn_implementation(self.options.attention)
         self.model.requires_grad_(False)
         self.ledger = prepare_model(self.model, "engine")
+        self.native = self._native_decoder()
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.max_model_len = self.options.max_model_len or int(getattr(config, "max_position_embeddings", 2048))
         self.eos_ids = self._eos_ids()
@@ -126,6 +128,7 @@ class TorchEngine:
         return {
             "ledger": self.ledger.as_dict(),
             "model_dtype": str(self.model.dtype).removeprefix("torch."),
+            "implementation": "native" if self.native is not None else "transformers",
             "torch": torch.__version__,
         }
 
@@ -142,6 +145,7 @@ class TorchEngine:
         self._params = {}
         self._buffers = {}
         self.model = None
+        self.native = None
         self._closed = True
 
     # -- the scheduler -------------------------------------------------------------------------
@@ -247,6 +251,8 @@ class TorchEngine:
         self, cache: SlotKVCache, rows: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, *, contiguous: bool = False
     ) -> torch.Tensor:
         mask = cache.plan(rows, positions, contiguous=contiguous)
+        if self.native is not None:
+            return self.native.forward(cache, tokens, positions, mask)
         out = self.model(
             input_ids=tokens,
             attention_mask=mask,
@@ -365,6 +371,20 @@ class TorchEngine:
                 f"exceeds max_model_len {self.max_model_len}"
             )
 
+    def _native_decoder(self) -> NativeDecoder | None:
+        """The lean forward when chosen and possible; ``None`` runs the model's own modules."""
+        choice = self.options.implementation
+        if choice == "transformers":
+            return None
+        reason = unsupported_reason(self.model)
+        if reason is None and not _stock_ops(self.ledger):
+            reason = "an op plugin installed non-stock ops (they patch the transformers modules)"
+        if reason is None:
+            return NativeDecoder(self.model)
+        if choice == "native":
+            raise ValueError(f"engine option implementation='native' is not possible for this model: {reason}")
+        return None
+
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
         for source in (getattr(self.tokenizer, "eos_token_id", None), getattr(self.model.generation_config, "eos_token_id", None)):
@@ -377,6 +397,12 @@ class TorchEngine:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this TorchEngine is closed")
+
+
+def _stock_ops(ledger: Any) -> bool:
+    from skyrl_core.ops.install import DEFAULT_IMPLS
+
+    return all(impl.name == DEFAULT_IMPLS[op].name for (op, _site), impl in ledger.declared.items())
 
 
 def _common_prefix_len(sequences: list[Sequence[int]]) -> int:

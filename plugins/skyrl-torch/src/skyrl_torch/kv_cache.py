@@ -75,16 +75,20 @@ class SlotKVCache(Cache):
     # -- what attention layers call ------------------------------------------------------------
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        """Write this forward's keys/values (``[n, kv_heads, q, head_dim]``) at the planned positions;
-        return the rows' keys/values over the visible length."""
+        """transformers' attention layers call this with ``[n, kv_heads, q, head_dim]`` keys/values."""
+        return self.write_and_read(layer_idx, key_states.transpose(1, 2), value_states.transpose(1, 2))
+
+    def write_and_read(self, layer_idx: int, keys_new: torch.Tensor, values_new: torch.Tensor):
+        """Write this forward's keys/values (``[n, q, kv_heads, head_dim]``) at the planned positions;
+        return the rows' cached keys/values ``[n, kv_heads, visible length, head_dim]``."""
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         if keys is None:
-            keys = self.keys[layer_idx] = self._allocate(key_states)
-            values = self.values[layer_idx] = self._allocate(value_states)
+            keys = self.keys[layer_idx] = self._allocate(keys_new)
+            values = self.values[layer_idx] = self._allocate(values_new)
         rows = self._rows.unsqueeze(1)  # [n, 1] broadcasts against positions [n, q]
         # Indexing [rows, :, pos] puts the advanced dims first: [n, q, kv_heads, head_dim].
-        keys[rows, :, self._write_pos] = key_states.transpose(1, 2).to(keys.dtype)
-        values[rows, :, self._write_pos] = value_states.transpose(1, 2).to(values.dtype)
+        keys[rows, :, self._write_pos] = keys_new.to(keys.dtype)
+        values[rows, :, self._write_pos] = values_new.to(values.dtype)
         if self._contiguous_rows:
             n = self._contiguous_rows
             return keys[:n, :, : self._kv_len], values[:n, :, : self._kv_len]
@@ -93,7 +97,7 @@ class SlotKVCache(Cache):
     def _allocate(self, like: torch.Tensor) -> torch.Tensor:
         # Zeros, not empty: masked keys still enter the score product, and garbage could be NaN.
         # +1 column: the scratch position padding writes to.
-        shape = (self.num_slots, like.shape[1], self.capacity + 1, like.shape[3])
+        shape = (self.num_slots, like.shape[2], self.capacity + 1, like.shape[3])
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

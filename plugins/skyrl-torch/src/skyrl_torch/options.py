@@ -7,6 +7,7 @@ from typing import Any
 import attrs
 
 ATTENTION_KINDS = ("model", "sdpa", "eager")
+IMPLEMENTATIONS = ("auto", "native", "transformers")
 DEVICES = ("cpu", "cuda")
 
 
@@ -55,10 +56,21 @@ class TorchEngineOptions:
             "this long (0: never)"
         },
     )
+    implementation: str = attrs.field(
+        default="auto",
+        validator=_one_of(*IMPLEMENTATIONS),
+        metadata={
+            "help": "native: a lean forward for Llama/Mistral/Qwen2/Qwen3 over the model's weights; transformers: "
+            "the model's own modules (any causal LM; required when an op plugin such as IsoExec installs ops); "
+            "auto: native when possible"
+        },
+    )
     attention: str = attrs.field(
         default="sdpa",
         validator=_one_of(*ATTENTION_KINDS),
-        metadata={"help": "attention kernel: sdpa (fast), eager, or model (whatever the loaded model uses)"},
+        metadata={
+            "help": "attention of the transformers implementation: sdpa, eager, or model (what the loaded model uses)"
+        },
     )
     device: str = attrs.field(
         default="cpu", validator=_one_of(*DEVICES), metadata={"help": "where the model and KV cache live"}

@@ -45,23 +45,35 @@ def choose_tokens(logits: torch.Tensor, rows: RowSampling, uniforms: torch.Tenso
     probs = torch.softmax(logits.float() / rows.temperature, dim=-1)
     if rows.filtered:
         probs, order = probs.sort(dim=-1, descending=True, stable=True)
-        cdf = probs.double().cumsum(dim=-1)
+        mass_before = probs.double().cumsum(dim=-1) - probs.double()
         # Keep a token while the mass strictly before it is below top_p (the first always stays).
-        keep = (cdf - probs.double()) < rows.top_p
+        keep = mass_before < rows.top_p
         rank = torch.arange(probs.shape[-1], device=probs.device).unsqueeze(0)
         keep &= (rows.top_k <= 0) | (rank < rows.top_k)
-        cdf = (probs.double() * keep).cumsum(dim=-1)
+        picked = order.gather(1, inverse_cdf(probs * keep, uniforms).unsqueeze(1)).squeeze(1)
     else:
-        order = None
-        cdf = probs.double().cumsum(dim=-1)
-    target = (uniforms.to(cdf.dtype) * cdf[:, -1]).unsqueeze(1)
-    picked = torch.searchsorted(cdf, target, right=True).squeeze(1)
-    # Rounding can put the target at the very top of the CDF; fall back to the likeliest token.
-    overflow = picked >= cdf.shape[-1]
-    picked = picked.clamp(max=cdf.shape[-1] - 1)
-    if order is not None:
-        picked = order.gather(1, picked.unsqueeze(1)).squeeze(1)
-        picked = torch.where(overflow, order[:, 0], picked)
-    else:
-        picked = torch.where(overflow, argmax, picked)
+        picked = inverse_cdf(probs, uniforms)
     return torch.where(rows.greedy, argmax, picked) if rows.any_greedy else picked
+
+
+def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor, block: int = 256) -> torch.Tensor:
+    """Per row of ``weights [n, V]`` (non-negative, any total), the first index whose cumulative
+    weight exceeds ``uniforms * total``; never an index of zero weight.
+
+    Two levels (block sums, then one block) so that the sequential scan covers V/block + block
+    entries per row instead of V.
+    """
+    n, vocab = weights.shape
+    if vocab % block:
+        weights = torch.nn.functional.pad(weights, (0, block - vocab % block))
+    blocks = weights.view(n, -1, block)
+    block_cdf = blocks.sum(dim=-1, dtype=torch.float64).cumsum(dim=-1)
+    target = (uniforms.to(torch.float64) * block_cdf[:, -1]).unsqueeze(1)
+    # right=True: a block (or token) of zero weight never holds the first cdf value > target.
+    chosen = torch.searchsorted(block_cdf, target, right=True).clamp(max=block_cdf.shape[1] - 1)
+    before = torch.where(chosen > 0, block_cdf.gather(1, (chosen - 1).clamp(min=0)), 0.0)
+    inner = blocks.gather(1, chosen.unsqueeze(-1).expand(n, 1, block)).squeeze(1)
+    within = torch.searchsorted(inner.double().cumsum(dim=-1), target - before, right=True)
+    # Rounding can leave the target just above the block's own sum: take its heaviest entry.
+    within = torch.where(within >= block, inner.argmax(dim=-1, keepdim=True), within)
+    return (chosen * block + within).squeeze(1)

@@ -1,0 +1,241 @@
+"""skyrl-torch beyond the shared contract: batching, prefill sharing, implementations, errors, bf16."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import attrs
+import pytest
+import torch
+
+from skyrl_core.config.schema import ModelConfig
+from skyrl_core.models import load_causal_lm
+from skyrl_core.testing.engine_contract import TINY_QWEN3, argmax_decode, full_forward_logprobs, request
+from skyrl_torch.engine import TorchEngine
+from skyrl_torch.options import TorchEngineOptions
+
+MODEL = ModelConfig(config=dict(TINY_QWEN3))
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return load_causal_lm(MODEL, seed=0)
+
+
+def engine(**options) -> TorchEngine:
+    return TorchEngine(MODEL, TorchEngineOptions(**options), seed=0)
+
+
+def record_forwards(eng: TorchEngine) -> list[tuple[int, int]]:
+    """Patch ``eng`` to record the (rows, tokens per row) of every forward it runs."""
+    shapes: list[tuple[int, int]] = []
+    original = eng._forward_rows
+
+    def recording(cache, rows, tokens, positions, **kwargs):
+        shapes.append(tuple(tokens.shape))
+        return original(cache, rows, tokens, positions, **kwargs)
+
+    eng._forward_rows = recording
+    return shapes
+
+
+def prompt(length: int, offset: int = 0) -> list[int]:
+    return [65 + (offset + 7 * i) % 50 for i in range(length)]
+
+
+def assert_logprobs_match(reference, samples) -> None:
+    for s in samples:
+        expected = full_forward_logprobs(reference, s.prompt_token_ids, s.token_ids)
+        assert (torch.tensor(s.logprobs) - expected).abs().max() <= ATOL
+
+
+# --- scheduling ----------------------------------------------------------------------------------
+
+
+def test_more_samples_than_slots_wait_and_join_with_identical_results(reference):
+    requests = [request(prompt(3 + 2 * i, i), f"r{i}", n=2, seed=i, max_tokens=6 + 3 * i) for i in range(5)]
+    small = engine(max_num_seqs=3)
+    shapes = record_forwards(small)
+    batched = small.generate(requests)
+    assert small._cache.num_slots == 3
+    assert max(rows for rows, tokens in shapes if tokens == 1) <= 3  # never more rows than slots decode
+    big = engine(max_num_seqs=64)
+    for req, group in zip(requests, batched):
+        alone = big.generate([req])[0]
+        assert [s.token_ids for s in group] == [s.token_ids for s in alone]
+        assert len(group[0].token_ids) == req.sampling.max_tokens or group[0].stop_reason == "stop"
+        assert_logprobs_match(reference, group)
+
+
+def test_a_request_with_more_samples_than_slots_is_split():
+    req = request(prompt(5), "big", n=5, seed=3, max_tokens=5)
+    split = engine(max_num_seqs=2).generate([req])[0]
+    whole = engine(max_num_seqs=8).generate([req])[0]
+    assert [s.sample_index for s in split] == list(range(5))
+    assert [s.token_ids for s in split] == [s.token_ids for s in whole]
+
+
+def test_prompt_lengths_in_one_batch_do_not_change_results(reference):
+    """Rows of very different lengths share prefill and decode forwards (left padding, slot masks)."""
+    lengths = (1, 17, 4, 33)
+    requests = [request(prompt(n, n), f"p{n}", seed=n, max_tokens=8) for n in lengths]
+    eng = engine(shared_prefix_min_tokens=0)
+    together = eng.generate(requests)
+    for req, group in zip(requests, together):
+        alone = eng.generate([req])[0]
+        assert group[0].token_ids == alone[0].token_ids
+        assert max(abs(a - b) for a, b in zip(group[0].logprobs, alone[0].logprobs)) <= ATOL
+    assert_logprobs_match(reference, [g[0] for g in together])
+
+
+def test_n_samples_share_one_prefill(reference):
+    eng = engine()
+    shapes = record_forwards(eng)
+    out = eng.generate([request(prompt(9), "n", n=4, seed=1, max_tokens=5)])[0]
+    assert shapes[0] == (1, 9)  # the prompt is computed once ...
+    assert shapes[1] == (4, 1)  # ... and decode steps feed the 4 samples together
+    assert all(s[0] <= 4 and s[1] == 1 for s in shapes[1:])
+    assert len({s.token_ids for s in out}) > 1
+    assert_logprobs_match(reference, out)
+
+
+def test_a_prefix_common_to_prompts_is_prefilled_once(reference):
+    shared = prompt(20)
+    prompts = [shared + prompt(k + 1, 100 + k) for k in range(3)]
+    requests = [request(p, f"s{i}", seed=i, n=2, max_tokens=6) for i, p in enumerate(prompts)]
+    eng = engine(shared_prefix_min_tokens=16)
+    shapes = record_forwards(eng)
+    out = eng.generate(requests)
+    assert shapes[:2] == [(1, 20), (3, 3)]  # the prefix once, then the three suffixes (left-padded)
+    plain = engine(shared_prefix_min_tokens=0).generate(requests)
+    for a, b in zip(out, plain):
+        assert [s.token_ids for s in a] == [s.token_ids for s in b]
+    assert_logprobs_match(reference, [s for g in out for s in g])
+
+
+# --- implementations -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_transformers_implementation_matches_native(reference, attention):
+    requests = [request(prompt(4 + i, i), str(i), seed=i, n=2, max_tokens=8, temperature=0.9) for i in range(3)]
+    native = engine()
+    modules = engine(implementation="transformers", attention=attention)
+    assert native.execution_contract()["implementation"] == "native"
+    assert modules.execution_contract()["implementation"] == "transformers"
+    a, b = native.generate(requests), modules.generate(requests)
+    assert [[s.token_ids for s in g] for g in a] == [[s.token_ids for s in g] for g in b]
+    assert_logprobs_match(reference, [s for g in b for s in g])
+
+
+def test_native_weight_views_follow_update_weights(reference):
+    """The native decoder stacks q/k/v and gate/up into fused tensors that the parameters view."""
+    eng = engine()
+    name = "model.layers.1.self_attn.k_proj.weight"
+    new = torch.randn(dict(reference.named_parameters())[name].shape)
+    eng.update_weights([(name, new)])
+    fused = eng.native.layers[1].qkv_weight
+    q_rows = eng.model.model.layers[1].self_attn.q_proj.weight.shape[0]
+    assert torch.equal(fused[q_rows : q_rows + new.shape[0]], new)
+
+
+def test_native_refused_for_an_unsupported_architecture():
+    gpt2 = ModelConfig(config={"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 2, "vocab_size": 512, "n_positions": 128})
+    with pytest.raises(ValueError, match="model_type 'gpt2'"):
+        TorchEngine(gpt2, TorchEngineOptions(implementation="native"))
+
+
+def test_any_causal_lm_runs_through_transformers_modules():
+    gpt2 = ModelConfig(config={"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 2, "vocab_size": 512, "n_positions": 128})
+    eng = TorchEngine(gpt2, TorchEngineOptions())  # auto: falls back to the model's modules
+    assert eng.execution_contract()["implementation"] == "transformers"
+    ref = load_causal_lm(gpt2, seed=0)
+    out = eng.generate([request(prompt(6), "g", temperature=0.0, max_tokens=6, n=2), request(prompt(2), "h", seed=1, max_tokens=6)])
+    assert list(out[0][0].token_ids) == argmax_decode(ref, prompt(6), 6)
+    assert_logprobs_match(ref, [s for g in out for s in g])
+
+
+# --- errors -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [("max_num_seqs", 0, "max_num_seqs must be an integer >= 1"), ("implementation", "fast", "implementation must be one of"),
+     ("attention", "flash", "attention must be one of"), ("max_model_len", -1, "max_model_len must be")],
+)
+def test_options_are_validated(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        TorchEngineOptions(**{field: value})
+
+
+@pytest.mark.parametrize(
+    "prompt_ids, sampling, message",
+    [((), {}, "prompt_token_ids is empty"), ((1, 600), {}, r"outside the vocabulary \[0, 512\)"),
+     ((1, 2), {"top_p": 0.0}, "top_p must be in"), ((1, 2), {"max_tokens": 0}, "max_tokens must be >= 1"),
+     ((1, 2), {"max_tokens": 300}, "exceeds max_model_len 256"), ((1, 2), {"stop": ("",)}, "empty string")],
+)
+def test_bad_requests_are_refused_naming_the_request(prompt_ids, sampling, message):
+    eng = engine()
+    with pytest.raises(ValueError, match=message) as info:
+        eng.generate([request(prompt_ids, "bad-one", **sampling)])
+    assert "bad-one" in str(info.value)
+
+
+def test_closed_engine_refuses_work():
+    eng = engine()
+    eng.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        eng.generate([request(prompt(2), "x")])
+
+
+def test_sleep_frees_the_kv_cache():
+    eng = engine()
+    eng.generate([request(prompt(3), "x", max_tokens=3)])
+    assert eng._cache is not None and eng._cache.nbytes > 0
+    eng.sleep()
+    assert eng._cache is None
+    eng.wake()
+    assert eng.generate([request(prompt(3), "x", max_tokens=3)])[0][0].token_ids
+
+
+# --- bf16 and registration ---------------------------------------------------------------------------
+
+
+def test_bf16_smoke():
+    bf16 = attrs.evolve(MODEL, dtype="bfloat16")
+    eng = TorchEngine(bf16, TorchEngineOptions(), seed=0)
+    assert eng.execution_contract()["model_dtype"] == "bfloat16"
+    out = eng.generate([request(prompt(5, i), str(i), n=2, seed=i, max_tokens=8) for i in range(3)])
+    ref = load_causal_lm(bf16, seed=0)
+    for group in out:
+        for s in group:
+            assert len(s.token_ids) == 8 or s.stop_reason == "stop"
+            got = torch.tensor(s.logprobs)
+            assert torch.isfinite(got).all() and (got <= 0).all()
+            # bf16 cache/decode vs a bf16 full forward: close, not equal.
+            assert (got - full_forward_logprobs(ref, s.prompt_token_ids, s.token_ids)).abs().max() < 0.1
+
+
+def test_plugin_registers_the_engine_without_importing_torch():
+    code = (
+        "import sys\n"
+        "from skyrl_torch import plugin\n"
+        "records = []\n"
+        "plugin.skyrl_register_inference_engines(records.append)\n"
+        "assert 'torch' not in sys.modules, 'plugin.py imported torch'\n"
+        "from skyrl_core.plugins.records import import_object\n"
+        "import_object(records[0].options)()\n"
+        "assert 'torch' not in sys.modules, 'options imported torch'\n"
+        "print(records[0].name, records[0].factory)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["torch", "skyrl_torch.engine:TorchEngine"]
+
+
+def test_registered_in_the_plugin_manager(fresh_plugin_manager):
+    spec = fresh_plugin_manager.spec("inference_engine", "torch")
+    assert spec.load_factory() is TorchEngine
+    assert spec.load_options_class() is TorchEngineOptions
