@@ -1,0 +1,190 @@
+"""The ``sglang`` inference engine: skyrl's ``InferenceEngine`` over SGLang's offline ``Engine`` API."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
+
+from skyrl_sglang import bootstrap
+from skyrl_sglang.mapping import flatten, gather
+from skyrl_sglang.options import SGLangOptions
+
+if TYPE_CHECKING:
+    import torch
+
+    from skyrl_core.config.schema import ModelConfig
+    from skyrl_core.types import GeneratedSample, GenerationRequest
+
+# The one sentence a machine without CUDA gets (tests compare it exactly).
+CUDA_REQUIRED = (
+    "The sglang engine needs an NVIDIA GPU with CUDA and this machine has none; "
+    "use engine.name=vllm or engine.name=torch here."
+)
+SGLANG_MISSING = "The sglang engine needs the sglang package: pip install 'skyrl-sglang[gpu]'."
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine cannot run on this machine (no CUDA, or SGLang not installed)."""
+
+
+def check_available() -> None:
+    """Raise ``EngineUnavailableError`` with one clear sentence unless SGLang can start here."""
+    import importlib.util
+
+    import torch
+
+    if not torch.cuda.is_available():
+        raise EngineUnavailableError(CUDA_REQUIRED)
+    if importlib.util.find_spec("sglang") is None:
+        raise EngineUnavailableError(SGLANG_MISSING)
+
+
+@contextlib.contextmanager
+def _environ(**values: str) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class SGLangEngine:
+    """Generates with ``sglang.Engine``; weights update in place with ``update_weights_from_tensor``.
+
+    Before starting SGLang the engine sets ``SKYRL_SGLANG_WORKER=1`` (skyrl's bootstrap then runs in
+    every SGLang process) and ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``, so that returned logprobs are
+    taken before temperature scaling, as ``GeneratedSample.logprobs`` promises.
+    """
+
+    def __init__(self, model: ModelConfig, options: SGLangOptions | None = None, *, seed: int = 0) -> None:
+        check_available()
+        problem = bootstrap.sglang_plugins_allowlist_problem()
+        if problem is not None:
+            raise ValueError(f"cannot start the sglang engine: {problem}")
+        self.options = options or SGLangOptions()
+        self.seed = seed
+        self.dtype = self.options.dtype or model.dtype
+        self._engine: Any = None
+        self._asleep = False
+        self._workdir = tempfile.mkdtemp(prefix="skyrl-sglang-")
+        try:
+            self._start(model)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, model: ModelConfig) -> None:
+        import sglang
+
+        from skyrl_core.ops import prepare_model
+        from skyrl_vllm.model_dir import materialize_model
+
+        self.sglang_version = sglang.__version__
+        model_dir, tokenizer_dir = materialize_model(model, seed=self.seed, parent_dir=self._workdir)
+        kwargs: dict[str, Any] = {
+            "model_path": model_dir,
+            "tokenizer_path": tokenizer_dir or model_dir,
+            "dtype": self.dtype,
+            "random_seed": self.seed,
+            "mem_fraction_static": self.options.mem_fraction_static,
+            "enable_deterministic_inference": self.options.deterministic,
+            "enable_memory_saver": self.options.enable_memory_saver,
+            "log_level": "error",
+        }
+        if self.options.context_length is not None:
+            kwargs["context_length"] = self.options.context_length
+        if self.options.max_running_requests is not None:
+            kwargs["max_running_requests"] = self.options.max_running_requests
+        kwargs.update(self.options.engine_kwargs)
+        env = {
+            bootstrap.MARKER: "1",
+            # Logprobs before temperature (the name changed across SGLang versions; set both).
+            "SGLANG_RETURN_ORIGINAL_LOGPROB": "1",
+            "RETURN_ORIGINAL_LOGPROB": "True",
+        }
+        with _environ(**env):
+            bootstrap.register()  # this process too: SGLang loads plugins once per process
+            self._engine = sglang.Engine(**kwargs)
+        # SGLang's RPC returns no values, so the ledger is declared here, where the same plugins and
+        # environment decide the same implementations as in SGLang's scheduler processes.
+        self._ledger = prepare_model(None, "engine")
+
+    # -- InferenceEngine ----------------------------------------------------------------------------
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[list[GeneratedSample]]:
+        engine = self._running()
+        if not requests:
+            return []
+        from skyrl_vllm.mapping import check_request
+
+        for request in requests:
+            check_request(request)
+        input_ids, params, owners = flatten(requests)
+        outputs = engine.generate(input_ids=input_ids, sampling_params=params, return_logprob=True)
+        if isinstance(outputs, dict):
+            outputs = [outputs]
+        return gather(requests, owners, outputs)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load the trainer's weights (HF names) in place and flush SGLang's prefix (radix) cache."""
+        engine = self._running()
+        tensors = [(name, t.detach()) for name, t in named_tensors]
+        if not tensors:
+            raise ValueError("update_weights got no tensors")
+        result = engine.update_weights_from_tensor(named_tensors=tensors, flush_cache=True)
+        success, message = (result if isinstance(result, tuple) else (True, ""))[:2]
+        if not success:
+            raise RuntimeError(f"SGLang refused the weight update: {message}")
+
+    def execution_contract(self) -> dict[str, Any]:
+        self._running()
+        return {
+            "ledger": self._ledger.as_dict(),
+            "engine": "sglang",
+            "sglang": self.sglang_version,
+            "dtype": self.dtype,
+            "device": "cuda",
+            "deterministic": self.options.deterministic,
+        }
+
+    def sleep(self) -> None:
+        """Release the KV cache and weights' GPU memory (``release_memory_occupation``)."""
+        engine = self._running()
+        engine.release_memory_occupation()
+        self._asleep = True
+
+    def wake(self) -> None:
+        if self._engine is None or not self._asleep:
+            return
+        self._engine.resume_memory_occupation()
+        self._asleep = False
+
+    def close(self) -> None:
+        """Shut SGLang's processes down and remove temporary files; idempotent."""
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.shutdown()
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None
+
+    def __enter__(self) -> SGLangEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _running(self) -> Any:
+        if self._engine is None:
+            raise RuntimeError("this sglang engine is closed")
+        if self._asleep:
+            raise RuntimeError("this sglang engine is asleep; call wake() first")
+        return self._engine

@@ -1,0 +1,59 @@
+"""skyrl's bootstrap inside vLLM's own processes.
+
+vLLM calls every function of the entry-point group ``vllm.general_plugins`` once in each of its
+processes (front-end, engine core, every worker) before it builds the model. skyrl registers
+``register`` there. It does nothing unless the marker ``SKYRL_VLLM_WORKER=1`` is in the environment
+(``VLLMEngine`` sets it before starting vLLM; spawned processes inherit it), so installing
+skyrl-vllm never changes a vLLM that skyrl did not start. With the marker it builds skyrl's plugin
+manager in that process and calls ``skyrl_worker_init(role="engine")``, once per process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+MARKER = "SKYRL_VLLM_WORKER"
+ENTRY_POINT_NAME = "skyrl"
+
+logger = logging.getLogger(__name__)
+
+_initialized_pid: int | None = None
+
+
+def marker_set() -> bool:
+    return os.environ.get(MARKER) == "1"
+
+
+def vllm_plugins_allowlist_problem() -> str | None:
+    """Why vLLM would skip this bootstrap under the current ``VLLM_PLUGINS``, or None if it will run."""
+    allow = os.environ.get("VLLM_PLUGINS")
+    if allow is None:
+        return None
+    names = [n.strip() for n in allow.split(",") if n.strip()]
+    if ENTRY_POINT_NAME in names:
+        return None
+    return (
+        f"VLLM_PLUGINS={allow!r} does not include {ENTRY_POINT_NAME!r}, so vLLM would skip skyrl's worker "
+        f"bootstrap and plugins (e.g. IsoExec) would not run inside vLLM; add {ENTRY_POINT_NAME!r} to "
+        "VLLM_PLUGINS or unset it"
+    )
+
+
+def register() -> None:
+    """vLLM general-plugin entry point. Idempotent; inert without the marker."""
+    global _initialized_pid
+    if not marker_set() or _initialized_pid == os.getpid():
+        return
+    _initialized_pid = os.getpid()
+    try:
+        from skyrl_core.plugins.manager import get_plugin_manager
+    except ImportError as exc:  # a skyrl-core without a plugin manager cannot host plugins
+        logger.warning("skyrl bootstrap in vLLM process %d: no plugin manager (%s)", os.getpid(), exc)
+        return
+    get_plugin_manager().hook.skyrl_worker_init(role="engine")
+
+
+def ran_in_this_process() -> bool:
+    """Whether ``register`` initialised skyrl in the calling process."""
+    return _initialized_pid == os.getpid()

@@ -1,0 +1,239 @@
+"""The ``vllm`` inference engine: skyrl's ``InferenceEngine`` over vLLM's offline ``LLM`` API."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
+
+from skyrl_vllm import bootstrap
+from skyrl_vllm.mapping import check_request, to_samples, to_vllm_sampling_params
+from skyrl_vllm.model_dir import check_weights, checkpoint_shapes, materialize_model
+from skyrl_vllm.options import VLLMOptions
+
+if TYPE_CHECKING:
+    import torch
+
+    from skyrl_core.config.schema import ModelConfig
+    from skyrl_core.types import GeneratedSample, GenerationRequest
+
+logger = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "skyrl_vllm.worker_ext.SkyrlWorkerExtension"
+
+
+@contextlib.contextmanager
+def _environ(**values: str) -> Iterator[None]:
+    """Set environment variables for the body (spawned vLLM processes inherit them), then restore."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def engine_kwargs(options: VLLMOptions, *, dtype: str, on_cpu: bool, sleep_available: bool) -> dict[str, Any]:
+    """Keyword arguments for ``vllm.LLM`` (besides model, tokenizer and seed) from ``options``."""
+    kwargs: dict[str, Any] = {
+        "dtype": dtype,
+        "enforce_eager": on_cpu if options.enforce_eager is None else options.enforce_eager,
+        "logprobs_mode": "raw_logprobs",
+        "worker_extension_cls": WORKER_EXTENSION,
+        "enable_sleep_mode": sleep_available,
+    }
+    optional = {
+        "kv_cache_memory_bytes": options.kv_cache_memory_bytes,
+        "gpu_memory_utilization": options.gpu_memory_utilization,
+        "max_model_len": options.max_model_len,
+        "max_num_seqs": options.max_num_seqs,
+        "enable_prefix_caching": options.enable_prefix_caching,
+    }
+    kwargs.update({k: v for k, v in optional.items() if v is not None})
+    if not options.multiprocess:
+        kwargs["distributed_executor_backend"] = "uni"
+    kwargs.update(options.engine_kwargs)
+    return kwargs
+
+
+class VLLMEngine:
+    """Generates with vLLM; weights update in place, without restarting vLLM.
+
+    ``model`` is a local HF directory or a config (written to a temporary directory first, with
+    weights initialised from ``seed``). vLLM's engine core and worker run in their own processes
+    (``options.multiprocess``, the default) or in the calling one. Before starting vLLM the engine
+    sets ``SKYRL_VLLM_WORKER=1`` so that skyrl's bootstrap (``skyrl_vllm.bootstrap``) runs in every
+    vLLM process.
+    """
+
+    def __init__(self, model: ModelConfig, options: VLLMOptions | None = None, *, seed: int = 0) -> None:
+        self.options = options or VLLMOptions()
+        self.seed = seed
+        self._llm: Any = None
+        self._asleep = False
+        problem = bootstrap.vllm_plugins_allowlist_problem()
+        if problem is not None:
+            raise ValueError(f"cannot start the vllm engine: {problem}")
+        self._workdir = tempfile.mkdtemp(prefix="skyrl-vllm-")
+        try:
+            self._start(model)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, model: ModelConfig) -> None:
+        import vllm
+        from vllm import envs as vllm_envs
+        from vllm.platforms import current_platform
+
+        self.dtype = self.options.dtype or model.dtype
+        self.vllm_version = vllm.__version__
+        self.device = "cpu" if current_platform.is_cpu() else str(current_platform.device_type)
+        self.sleep_supported = bool(current_platform.is_sleep_mode_available())
+        model_dir, tokenizer_dir = materialize_model(model, seed=self.seed, parent_dir=self._workdir)
+        self._weight_shapes = checkpoint_shapes(model_dir)
+        kwargs = engine_kwargs(
+            self.options, dtype=self.dtype, on_cpu=current_platform.is_cpu(), sleep_available=self.sleep_supported
+        )
+        env = {
+            bootstrap.MARKER: "1",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if self.options.multiprocess else "0",
+        }
+        with _environ(**env):
+            # vLLM caches its environment after an engine starts in this process; read it afresh.
+            vllm_envs.disable_envs_cache()
+            if not self.options.multiprocess:
+                # vLLM loads its plugins once per process; an earlier vLLM here may have done so
+                # without our marker, so run the (idempotent) bootstrap ourselves.
+                bootstrap.register()
+            self._llm = vllm.LLM(model=model_dir, tokenizer=tokenizer_dir, seed=self.seed, **kwargs)
+        # Declare the worker's ops now (right after its model is built) and check the extension works.
+        self._attest()
+
+    # -- InferenceEngine ----------------------------------------------------------------------------
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[list[GeneratedSample]]:
+        llm = self._running()
+        if not requests:
+            return []
+        from vllm.inputs import TokensPrompt
+
+        for request in requests:
+            check_request(request)
+        prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_token_ids)) for r in requests]
+        params = [to_vllm_sampling_params(r.sampling) for r in requests]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        return [to_samples(request, output) for request, output in zip(requests, outputs)]
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load the trainer's weights (HF names, a full set) in place; then drop cached prefixes."""
+        llm = self._running()
+        tensors = [(name, t.detach().to("cpu").contiguous()) for name, t in named_tensors]
+        if not tensors:
+            raise ValueError("update_weights got no tensors")
+        # Checked here: a bad tensor inside vLLM's layerwise reload would leave the model half-loaded.
+        check_weights(tensors, self._weight_shapes)
+        if self.options.multiprocess:
+            # Tensors passed through collective_rpc arrive garbled in vLLM's worker process: send a file.
+            path = self._write_safetensors(tensors)
+            try:
+                loaded = llm.collective_rpc("skyrl_load_weights", args=(path,))
+            finally:
+                os.remove(path)
+        else:
+            loaded = llm.collective_rpc("skyrl_load_weights", args=(tensors,))
+        if any(n != len(tensors) for n in loaded):
+            raise RuntimeError(f"vLLM workers loaded {loaded} tensors, expected {len(tensors)}")
+        llm.reset_prefix_cache()
+
+    def execution_contract(self) -> dict[str, Any]:
+        workers = self._attest()
+        return {
+            "ledger": workers[0].get("ledger", {}),
+            "engine": "vllm",
+            "vllm": self.vllm_version,
+            "dtype": self.dtype,
+            "device": self.device,
+            "workers": workers,
+        }
+
+    def sleep(self) -> None:
+        """Free the KV cache (and weights at ``sleep_level=2``) where vLLM supports sleep mode.
+
+        vLLM has no sleep mode on CPU: there this only marks the engine asleep and logs that memory
+        stays allocated.
+        """
+        llm = self._running()
+        if self.sleep_supported:
+            llm.sleep(level=self.options.sleep_level)
+        else:
+            logger.warning("vLLM on %s has no sleep mode: sleep() keeps the KV cache and weights allocated", self.device)
+        self._asleep = True
+
+    def wake(self) -> None:
+        if self._llm is None or not self._asleep:
+            return
+        if self.sleep_supported:
+            self._llm.wake_up()
+        self._asleep = False
+
+    def close(self) -> None:
+        """Shut down vLLM's engine core (and its processes) and remove temporary files; idempotent."""
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()
+            multiprocessing.active_children()  # reap the engine-core process vLLM just stopped
+            if not self.options.multiprocess:
+                # The in-process worker initialised torch.distributed and vLLM's parallel groups here.
+                from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+                cleanup_dist_env_and_memory()
+        if getattr(self, "_workdir", None):
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None
+
+    def __enter__(self) -> VLLMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- helpers ------------------------------------------------------------------------------------
+
+    def _running(self) -> Any:
+        if self._llm is None:
+            raise RuntimeError("this vllm engine is closed")
+        if self._asleep:
+            raise RuntimeError("this vllm engine is asleep; call wake() first")
+        return self._llm
+
+    def _attest(self) -> list[dict[str, Any]]:
+        if self._llm is None:
+            raise RuntimeError("this vllm engine is closed")
+        return list(self._llm.collective_rpc("skyrl_attest"))
+
+    def _write_safetensors(self, tensors: list[tuple[str, torch.Tensor]]) -> str:
+        from safetensors.torch import save_file
+
+        seen: set[int] = set()
+        state = {}
+        for name, tensor in tensors:
+            # safetensors refuses tensors that share storage (tied embeddings): copy repeats.
+            ptr = tensor.untyped_storage().data_ptr()
+            state[name] = tensor.clone() if ptr in seen else tensor
+            seen.add(ptr)
+        fd, path = tempfile.mkstemp(suffix=".safetensors", dir=self._workdir)
+        os.close(fd)
+        save_file(state, path)
+        return path

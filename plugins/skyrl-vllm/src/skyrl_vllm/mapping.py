@@ -1,0 +1,73 @@
+"""skyrl's sampling parameters and samples <-> vLLM's, one field to one field."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from skyrl_core.types import GeneratedSample, GenerationRequest, SamplingParams
+
+if TYPE_CHECKING:
+    import vllm
+
+
+def check_request(request: GenerationRequest) -> None:
+    """Reject what no engine can sample, with the request named."""
+    if not request.prompt_token_ids:
+        raise ValueError(f"request {request.request_id!r} has an empty prompt; give at least one token id")
+    if request.sampling.n < 1 or request.sampling.max_tokens < 1:
+        raise ValueError(
+            f"request {request.request_id!r}: n and max_tokens must be >= 1, got n={request.sampling.n}, "
+            f"max_tokens={request.sampling.max_tokens}"
+        )
+
+
+def to_vllm_sampling_params(sampling: SamplingParams) -> vllm.SamplingParams:
+    """The vLLM ``SamplingParams`` for ``sampling``.
+
+    ``logprobs=0`` asks for the sampled token's own logprob only; with the engine's
+    ``logprobs_mode="raw_logprobs"`` it is taken before temperature and top-k/top-p, which is what
+    ``GeneratedSample.logprobs`` promises. skyrl's ``top_k=0`` ("off") is vLLM's ``top_k=0`` too.
+    """
+    import vllm
+
+    return vllm.SamplingParams(
+        n=sampling.n,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        seed=sampling.seed,
+        stop=list(sampling.stop) or None,
+        stop_token_ids=list(sampling.stop_token_ids) or None,
+        max_tokens=sampling.max_tokens,
+        logprobs=0,
+        skip_special_tokens=True,
+    )
+
+
+def stop_reason(finish_reason: str | None, request_id: str) -> str:
+    """vLLM's ``finish_reason`` as skyrl's ``stop_reason`` ("stop" | "length")."""
+    if finish_reason in ("stop", "length"):
+        return finish_reason
+    raise RuntimeError(f"request {request_id!r} did not finish normally (vLLM finish_reason={finish_reason!r})")
+
+
+def to_samples(request: GenerationRequest, output: Any) -> list[GeneratedSample]:
+    """The ``n`` samples of one vLLM ``RequestOutput``, in sample-index order."""
+    samples = []
+    for completion in sorted(output.outputs, key=lambda c: c.index):
+        token_ids = tuple(int(t) for t in completion.token_ids)
+        if completion.logprobs is None or len(completion.logprobs) != len(token_ids):
+            raise RuntimeError(f"request {request.request_id!r}: vLLM returned no logprob for some sampled tokens")
+        logprobs = tuple(float(step[tok].logprob) for step, tok in zip(completion.logprobs, token_ids))
+        samples.append(
+            GeneratedSample(
+                request_id=request.request_id,
+                sample_index=int(completion.index),
+                prompt_token_ids=request.prompt_token_ids,
+                token_ids=token_ids,
+                logprobs=logprobs,
+                text=completion.text,
+                stop_reason=stop_reason(completion.finish_reason, request.request_id),
+            )
+        )
+    return samples

@@ -1,0 +1,132 @@
+"""A Hugging Face model directory that vLLM can load, for any ``ModelConfig``.
+
+vLLM loads models from disk only. A model given as a local directory is used as it is; a model
+given as a config (a tiny random test model) is written out once: random weights from
+``skyrl_core.models.load_causal_lm`` (the same seed gives the same weights as the trainer) and, when
+it has no tokenizer directory, a ``tokenizers`` file equivalent to skyrl's ``ByteTokenizer`` so
+that vLLM can detokenise and match stop strings exactly as skyrl does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from skyrl_core.config.schema import ModelConfig
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """The byte-level alphabet of ``tokenizers``' ByteLevel pre-tokenizer/decoder.
+
+    Printable Latin-1 bytes map to themselves; the rest are shifted past 255 so that every byte
+    has a visible, distinct character.
+    """
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table: dict[int, str] = {}
+    shift = 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + shift)
+            shift += 1
+    return table
+
+
+def write_byte_tokenizer(directory: str, vocab_size: int) -> None:
+    """Write a fast HF tokenizer whose ids match ``skyrl_core.byte_tokenizer.ByteTokenizer``.
+
+    Ids 0..255 are the bytes, 256/257/258 are BOS/EOS/PAD (special), the rest up to ``vocab_size``
+    are unused special placeholders (skipped when decoding, as ByteTokenizer does).
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    from skyrl_core.byte_tokenizer import ByteTokenizer
+
+    byte_chars = _bytes_to_unicode()
+    vocab = {ch: b for b, ch in byte_chars.items()}
+    specials = {ByteTokenizer.BOS: "<|bos|>", ByteTokenizer.EOS: "<|eos|>", ByteTokenizer.PAD: "<|pad|>"}
+    for i in range(259, vocab_size):
+        specials[i] = f"<|reserved_{i}|>"
+    for i, tok in specials.items():
+        vocab[tok] = i
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(specials[i], special=True, normalized=False) for i in sorted(specials)])
+    tok.save(os.path.join(directory, "tokenizer.json"))
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": specials[ByteTokenizer.BOS],
+                "eos_token": specials[ByteTokenizer.EOS],
+                "pad_token": specials[ByteTokenizer.PAD],
+                "add_bos_token": False,
+                "add_eos_token": False,
+                "model_max_length": 1 << 20,
+            },
+            f,
+            indent=1,
+        )
+
+
+def materialize_model(model: ModelConfig, *, seed: int = 0, parent_dir: str | None = None) -> tuple[str, str | None]:
+    """Return ``(model_dir, tokenizer_dir)`` for vLLM.
+
+    A ``model.path`` is returned unchanged (with ``model.tokenizer`` if set). A ``model.config`` is
+    written to a new temporary directory under ``parent_dir`` (the caller removes it): safetensors
+    weights in ``model.dtype`` built with ``seed``, its config, and a byte tokenizer unless
+    ``model.tokenizer`` names one.
+    """
+    if model.path is not None:
+        return model.path, model.tokenizer
+    from skyrl_core.models import load_causal_lm
+
+    directory = tempfile.mkdtemp(prefix="skyrl-vllm-model-", dir=parent_dir)
+    lm = load_causal_lm(model, seed=seed)
+    lm.save_pretrained(directory, safe_serialization=True)
+    del lm
+    if model.tokenizer is not None:
+        return directory, model.tokenizer
+    vocab_size = int((model.config or {}).get("vocab_size", 512))
+    write_byte_tokenizer(directory, vocab_size)
+    return directory, directory
+
+
+def checkpoint_shapes(model_dir: str) -> dict[str, tuple[int, ...]]:
+    """Every tensor name in the safetensors checkpoint at ``model_dir`` with its shape (headers only).
+
+    With tied input/output embeddings the checkpoint may omit ``lm_head.weight``; it is then added
+    with the embedding's shape, because trainers export it.
+    """
+    import glob
+
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    embed = shapes.get("model.embed_tokens.weight")
+    if embed is not None and "lm_head.weight" not in shapes:
+        shapes["lm_head.weight"] = embed
+    return shapes
+
+
+def check_weights(named: list[tuple[str, object]], shapes: dict[str, tuple[int, ...]]) -> None:
+    """Refuse tensors the model does not have, or of another shape, naming the tensor."""
+    for name, tensor in named:
+        expected = shapes.get(name)
+        if expected is None:
+            raise ValueError(f"update_weights: the model has no tensor named {name!r}")
+        got = tuple(tensor.shape)  # type: ignore[attr-defined]
+        if got != expected:
+            raise ValueError(f"update_weights: tensor {name!r} has shape {got}, the model's has shape {expected}")

@@ -1,0 +1,87 @@
+"""Methods skyrl adds to every vLLM worker (``LLM(worker_extension_cls=...)``).
+
+vLLM appends this class to its worker's bases, so the methods run inside the worker process and
+are reached with ``llm.collective_rpc("skyrl_...")``. Names start with ``skyrl_`` because vLLM
+refuses extension attributes that clash with the worker's own.
+
+A plugin that must prove what runs inside vLLM (IsoExec) implements the hook
+``skyrl_execution_contract(role="engine", ledger)``: ``skyrl_attest`` calls it *in the worker*,
+after the vLLM bootstrap ran ``skyrl_worker_init`` there, and returns what it contributes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Iterable
+
+import torch
+
+from skyrl_vllm import bootstrap
+
+
+class SkyrlWorkerExtension:
+    """Mixed into vLLM's worker class; ``self`` is the worker (``self.model_runner``, ``self.vllm_config``)."""
+
+    _skyrl_ledger: Any = None
+
+    def skyrl_load_weights(self, source: str | Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load new weights in place, by Hugging Face name; return how many tensors were loaded.
+
+        ``source`` is a safetensors file path (multiprocess mode: tensors do not survive vLLM's RPC
+        serialisation) or the named tensors themselves (in-process mode). vLLM's layerwise reload
+        reruns each layer's post-load processing (e.g. the CPU GEMM prepack) and keeps every
+        parameter's storage, so nothing is rebuilt.
+        """
+        if isinstance(source, str):
+            from safetensors.torch import load_file
+
+            named = list(load_file(source).items())
+        else:
+            named = list(source)
+        self.reload_weights(weights_iterator=iter(named))
+        return len(named)
+
+    def skyrl_attest(self) -> dict[str, Any]:
+        """What this worker runs: versions, dtype, the op ledger and plugins' contract contributions."""
+        import vllm
+
+        attestation: dict[str, Any] = {
+            "pid": os.getpid(),
+            "vllm": str(vllm.__version__),
+            "torch": str(torch.__version__),
+            "dtype": str(self.vllm_config.model_config.dtype).removeprefix("torch."),
+            "device": str(self.device),
+            "bootstrap_ran": bootstrap.ran_in_this_process(),
+        }
+        try:
+            from skyrl_core.ops import prepare_model
+            from skyrl_core.plugins.manager import get_plugin_manager
+        except ImportError as exc:  # skyrl-core without a plugin manager: nothing more to attest
+            attestation["plugins_error"] = str(exc)
+            return _plain(attestation)
+        pm = get_plugin_manager()
+        # A plugin that installed ops through vLLM's own hooks (see skyrl_vllm.bootstrap) attaches
+        # its ledger, with the calls observed per site, to the model (as ``prepare_model`` does).
+        model_ledger = getattr(getattr(self.model_runner, "model", None), "_skyrl_op_ledger", None)
+        if model_ledger is not None:
+            self._skyrl_ledger = model_ledger
+        elif self._skyrl_ledger is None:
+            # Declaration only: op substitution inside vLLM is done by plugins, not by patching
+            # vLLM's model object here.
+            self._skyrl_ledger = prepare_model(None, "engine", plugin_manager=pm)
+        ledger = self._skyrl_ledger
+        attestation["ledger"] = ledger.as_dict()
+        contributions: dict[str, Any] = {}
+        for impl in pm.hook.skyrl_execution_contract.get_hookimpls():
+            result = impl.function(role="engine", ledger=ledger)
+            if result is not None:
+                contributions[impl.plugin_name] = result
+        attestation["plugins"] = contributions
+        return _plain(attestation)
+
+
+def _plain(value: dict[str, Any]) -> dict[str, Any]:
+    """``value`` as plain JSON types: vLLM's RPC encoder rejects str subclasses such as torch's
+    ``TorchVersion`` that plugins' contributions may hold."""
+    return json.loads(json.dumps(value, default=str))
