@@ -6,6 +6,7 @@ but within one fixed block shape the result of a row depends only on that row, a
 the block and with 1 or 2 threads, provided the weight has at least ``LINEAR_MIN_COLUMNS`` rows
 (a single output column takes a GEMV-like path whose rows depend on the block count; narrower
 weights are zero-padded). fp32 runs every block in one ``bmm`` against a stride-0 weight;
+a single block runs ``torch.mm``, whose bits equal a ``bmm`` item's (asserted by the tests);
 bf16 runs ``F.linear`` per block (oneDNN's bf16 ``bmm`` is an order of magnitude slower).
 Gradients are the ordinary ones (``grad @ W``, ``grad.T @ x``): only the forward must be canonical.
 """
@@ -37,7 +38,9 @@ def row_block_matmul(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if columns < LINEAR_MIN_COLUMNS:  # a 1-column GEMM takes another kernel whose rows depend on M
         weight = F.pad(weight, (0, 0, 0, LINEAR_MIN_COLUMNS - columns))
     padded, blocks = _padded_rows(x2.contiguous(), block)
-    if x2.dtype == torch.float32:
+    if x2.dtype == torch.float32 and blocks == 1:
+        out = torch.mm(padded, weight.t())  # the same bits as one bmm item (tested), without its threading cost
+    elif x2.dtype == torch.float32:
         out = torch.bmm(padded.view(blocks, block, -1), weight.t().unsqueeze(0).expand(blocks, -1, -1))
         out = out.view(blocks * block, -1)
     else:
