@@ -66,15 +66,16 @@ class OpDispatch:
         self.tap: Callable[[str, str, Any], None] | None = None
         self._loaded: dict[str, Callable[..., Any]] = {}
 
-    def resolve(self, op: str) -> Callable[..., Any] | None:
+    def resolve(self, op: str, module: Any = None) -> Callable[..., Any] | None:
         """The installed implementation's callable, or None where the stock one (the module's own
-        forward) is installed."""
+        forward) is installed. ``module`` is the patched module asking (recorded as having run)."""
         site = current_site()
         impl = self.ledger.impl(op, site) if site is not None else None
+        name = getattr(module, "_skyrl_name", None)
         if impl is None or impl.name == DEFAULT_IMPLS[op].name:
-            self.ledger.observe(op, site if impl is not None else UNSCOPED, DEFAULT_IMPLS[op].name)
+            self.ledger.observe(op, site if impl is not None else UNSCOPED, DEFAULT_IMPLS[op].name, name)
             return None
-        self.ledger.observe(op, site, impl.name)
+        self.ledger.observe(op, site, impl.name, name)
         fn = self._loaded.get(impl.name)
         if fn is None:
             fn = self._loaded[impl.name] = impl.load_factory()
@@ -82,7 +83,7 @@ class OpDispatch:
 
     def call(self, op: str, module: Any, stock: Callable[[], Any], installed: Callable[[Callable[..., Any]], Any]) -> Any:
         """``stock()`` where the stock implementation is installed, else ``installed(fn)``."""
-        fn = self.resolve(op)
+        fn = self.resolve(op, module)
         out = stock() if fn is None else installed(fn)
         self.emit(op, module, out)
         return out
@@ -140,7 +141,7 @@ def _rope_forward(module, x, position_ids):
 
 def _mlp_forward(module, x):
     dispatch = module._skyrl_dispatch
-    fn = dispatch.resolve("silu_mul")
+    fn = dispatch.resolve("silu_mul", module)
     if fn is None:
         return module._skyrl_stock_forward(x)
     hidden = fn(module.gate_proj(x), module.up_proj(x))
@@ -150,7 +151,7 @@ def _mlp_forward(module, x):
 
 def _moe_block_forward(module, hidden_states):
     dispatch = module._skyrl_dispatch
-    fns = [dispatch.resolve(op) for op in ("moe_router", "moe_experts", "moe_combine")]
+    fns = [dispatch.resolve(op, module) for op in ("moe_router", "moe_experts", "moe_combine")]
     if all(fn is None for fn in fns):
         return module._skyrl_stock_forward(hidden_states)
     if any(fn is None for fn in fns):
@@ -177,7 +178,7 @@ def _moe_block_forward(module, hidden_states):
 
 def _attention_function(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     dispatch: OpDispatch = module._skyrl_dispatch
-    fn = dispatch.resolve("attention")
+    fn = dispatch.resolve("attention", module)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if fn is None:
@@ -265,9 +266,12 @@ def patch_hf_model(model: Any, ledger: OpLedger) -> None:
     counts: dict[str, int] = {}
     unpatched: list[str] = []
 
+    named: list[str] = []
+
     def claim(module, op, forward):
         module._skyrl_dispatch = dispatch
         module._skyrl_name = qualname
+        named.append(qualname)
         _patch(module, forward)
         counts[op] = counts.get(op, 0) + 1
 
@@ -297,6 +301,7 @@ def patch_hf_model(model: Any, ledger: OpLedger) -> None:
         elif name.endswith("Attention") and hasattr(module, "o_proj"):
             module._skyrl_dispatch = dispatch
             module._skyrl_name = qualname
+            named.append(qualname)
             has_attention = True
             counts["attention"] = counts.get("attention", 0) + 1
         elif name.endswith(_SITE_CLASS_SUFFIXES):
@@ -307,7 +312,7 @@ def patch_hf_model(model: Any, ledger: OpLedger) -> None:
         for module in model.modules():
             if hasattr(module, "o_proj") and getattr(module, "_skyrl_dispatch", None) is dispatch:
                 module._skyrl_stock_attention = previous
-    ledger.meta.update(op_modules=dict(sorted(counts.items())), unpatched=unpatched)
+    ledger.meta.update(op_modules=dict(sorted(counts.items())), unpatched=unpatched, patched_modules=sorted(named))
 
 
 def _is_silu_mlp(module: Any) -> bool:

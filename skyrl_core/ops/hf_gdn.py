@@ -10,7 +10,7 @@ from typing import Any
 
 def gdn_forward(module: Any, hidden_states: Any, cache_params: Any = None, attention_mask: Any = None, **kwargs: Any) -> Any:
     dispatch = module._skyrl_dispatch
-    conv_fn, core_fn = dispatch.resolve("gdn_conv"), dispatch.resolve("gdn_core")
+    conv_fn, core_fn = dispatch.resolve("gdn_conv", module), dispatch.resolve("gdn_core", module)
     if conv_fn is None and core_fn is None:
         return module._skyrl_stock_forward(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
     if conv_fn is None or core_fn is None:

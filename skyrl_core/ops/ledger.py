@@ -23,6 +23,7 @@ class OpLedger:
     declared: dict[tuple[str, str], OpImplSpec] = attrs.field(factory=dict)
     observed: collections.Counter = attrs.field(factory=collections.Counter)
     meta: dict[str, Any] = attrs.field(factory=dict)
+    ran_modules: set[tuple[str, str]] = attrs.field(factory=set)
 
     def declare(self, op: str, site: str, impl: OpImplSpec) -> None:
         self.declared[(op, site)] = impl
@@ -30,14 +31,18 @@ class OpLedger:
     def impl(self, op: str, site: str) -> OpImplSpec | None:
         return self.declared.get((op, site))
 
-    def observe(self, op: str, site: str, impl_name: str) -> None:
+    def observe(self, op: str, site: str, impl_name: str, module: str | None = None) -> None:
+        """Count a call; ``module`` (a patched module's name) records that it dispatched at ``site``."""
         self.observed[(op, site, impl_name)] += 1
+        if module is not None:
+            self.ran_modules.add((site, module))
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-able view, sorted: ``{"op@site": {"impl", "version", "constants", "calls"}, "model": meta}``.
 
         ``calls`` counts the calls observed per implementation name at that (op, site); ``model``
-        is ``meta`` plus ``unscoped_calls`` (per op: calls made outside any ``site_scope``).
+        is ``meta`` plus ``unscoped_calls`` (per op: calls made outside the runtime's sites) and
+        ``unrun_modules`` (per site that has run: patched modules that never dispatched there).
         """
         calls: dict[tuple[str, str], dict[str, int]] = {}
         unscoped: dict[str, int] = {}
@@ -54,5 +59,8 @@ class OpLedger:
                 "constants": {k: v for k, v in impl.constants},
                 "calls": calls.get((op, site), {}),
             }
-        out["model"] = {**self.meta, "unscoped_calls": unscoped}
+        sites_run = {site for (_, site, _) in self.observed} & {site for (_, site) in self.declared}
+        patched = self.meta.get("patched_modules", [])
+        unrun = {site: [m for m in patched if (site, m) not in self.ran_modules] for site in sorted(sites_run)}
+        out["model"] = {**self.meta, "unscoped_calls": unscoped, "unrun_modules": {k: v for k, v in unrun.items() if v}}
         return out

@@ -129,6 +129,9 @@ def fingerprint_violations(role: str, ledger: dict[str, Any]) -> list[str]:
     model = ledger.get("model", {})
     for name in model.get("unpatched", []):
         problems.append(f"{role}: module {name} computes an op but has no IsoExec mapping")
+    for site, modules in sorted(model.get("unrun_modules", {}).items()):
+        shown = ", ".join(modules[:5]) + (f" and {len(modules) - 5} more" if len(modules) > 5 else "")
+        problems.append(f"{site}: patched modules never dispatched there (bypassed?): {shown}")
     for op, calls in sorted(model.get("unscoped_calls", {}).items()):
         problems.append(f"{op} ran {calls} times outside any op site (no site_scope)")
     applicable = set(_ALWAYS) | {op for op, n in model.get("op_modules", {}).items() if n}

@@ -30,6 +30,8 @@ def router(x: torch.Tensor, weight: torch.Tensor, top_k: int, normalize: bool) -
 def experts(x: torch.Tensor, chosen: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> torch.Tensor:
     """``[T, K, H]``: slot ``(t, k)`` holds expert ``chosen[t, k]`` applied to token ``t``."""
     tokens, top_k = chosen.shape
+    if tokens == 0:
+        return x.new_zeros(0, top_k, down_proj.shape[1])
     slots = chosen.reshape(-1)
     order = torch.argsort(slots, stable=True)
     counts = torch.bincount(slots, minlength=gate_up_proj.shape[0]).tolist()

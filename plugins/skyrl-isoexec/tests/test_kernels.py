@@ -1,0 +1,246 @@
+"""Per-op site parity: each canonical kernel gives a row (token) the same bits whether it is computed
+in a large batch, alone, at another position, after padding, as a decode step or with 1 or 2
+threads. Where the stock op really varies on this machine, a negative control shows it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from skyrl_isoexec.kernels import attention as attention_kernel
+from skyrl_isoexec.kernels import elementwise, gdn, linear, logprobs, moe
+from skyrl_isoexec.kernels.reduce import sigmoid, silu, softplus, tree_sum
+from skyrl_isoexec.parity import bits
+
+
+def _gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+CASES = ((1, 0), (1, 37), (3, 5), (9, 20), (33, 2), (20, 20))
+
+
+def _row_mismatch(fn, x, cases=CASES):
+    """Bits of fn(x[o:o+m]) vs fn(x)[o:o+m] over row slices, summed."""
+    ref = fn(x)
+    return sum(int((bits(fn(x[o : o + m])) != bits(ref[o : o + m])).sum()) for m, o in cases)
+
+
+def _sliced_mismatch(fn, rows, cases=CASES):
+    """Like ``_row_mismatch`` for a function of a row slice (to slice several inputs alike)."""
+    ref = fn(slice(0, rows))
+    return sum(int((bits(fn(slice(o, o + m))) != bits(ref[o : o + m])).sum()) for m, o in cases)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(64, 128), (64, 1), (512, 2048), (2048, 64)])
+def test_linear_rows_are_independent_of_their_batch(dtype, shape):
+    k, n = shape
+    x = torch.randn(60, k, generator=_gen()).to(dtype)
+    w = torch.randn(n, k, generator=_gen(1)).to(dtype)
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        assert _row_mismatch(lambda t: linear.linear(t, w), x) == 0
+    torch.set_num_threads(1)
+    one = linear.linear(x, w)
+    torch.set_num_threads(2)
+    assert int((bits(one) != bits(linear.linear(x, w))).sum()) == 0
+
+
+def test_linear_negative_control_and_single_block_identity():
+    x = torch.randn(60, 512, generator=_gen())
+    w = torch.randn(256, 512, generator=_gen(1))
+    assert _row_mismatch(lambda t: F.linear(t, w), x) > 0  # stock rows depend on the batch
+    # One block runs torch.mm, several run bmm: the kernel relies on their bits being equal.
+    block = linear.ROW_BLOCK[torch.float32]
+    xb = torch.randn(3 * block, 512, generator=_gen(2))
+    stacked = torch.bmm(xb.view(3, block, -1), w.t().unsqueeze(0).expand(3, -1, -1)).reshape(3 * block, -1)
+    single = torch.cat([torch.mm(xb[i * block : (i + 1) * block], w.t()) for i in range(3)])
+    assert int((bits(stacked) != bits(single)).sum()) == 0
+
+
+def test_linear_gradient_is_the_ordinary_one():
+    x = torch.randn(10, 32, generator=_gen(), requires_grad=True)
+    w = torch.randn(16, 32, generator=_gen(1), requires_grad=True)
+    b = torch.randn(16, generator=_gen(2), requires_grad=True)
+    g = torch.randn(10, 16, generator=_gen(3))
+    grads = torch.autograd.grad((linear.linear(x, w, b) * g).sum(), (x, w, b))
+    expected = torch.autograd.grad((F.linear(x, w, b) * g).sum(), (x, w, b))
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_and_silu_mul_rows(dtype):
+    x = torch.randn(60, 96, generator=_gen()).to(dtype)
+    w = (torch.randn(96, generator=_gen(1)) * 0.1 + 1).to(dtype)
+    g = torch.randn(60, 96, generator=_gen(2)).to(dtype)
+    assert _row_mismatch(lambda t: elementwise.rms_norm(t, w, 1e-6), x) == 0
+    assert _row_mismatch(lambda t: elementwise.rms_norm(t, w, 1e-6, unit_offset=True), x) == 0
+    assert _sliced_mismatch(lambda s: elementwise.rms_norm(x[s], w, 1e-6, gate=g[s]), 60) == 0
+    assert _sliced_mismatch(lambda s: elementwise.silu_mul(g[s], x[s]), 60) == 0
+
+
+def test_elementwise_gates_are_layout_independent_where_stock_is_not():
+    x = torch.randn(4099, generator=_gen()) * 6
+    for fn in (silu, sigmoid, softplus):
+        full = fn(x)
+        assert sum(int((bits(fn(x[s : s + 37])) != bits(full[s : s + 37])).sum()) for s in range(0, 64, 3)) == 0
+    stock = [F.silu, torch.sigmoid, F.softplus]  # vectorised bodies and scalar tails round differently
+    assert all(
+        sum(int((bits(fn(x[s : s + 37])) != bits(fn(x)[s : s + 37])).sum()) for s in range(0, 64, 3)) > 0 for fn in stock
+    )
+
+
+def test_tree_sum_ignores_trailing_zeros_and_thread_count():
+    x = torch.randn(7, 300, generator=_gen())
+    padded = F.pad(x, (0, 724))
+    assert int((bits(tree_sum(x)) != bits(tree_sum(padded))).sum()) == 0
+    big = torch.randn(2, 70000, generator=_gen(1))
+    torch.set_num_threads(2)
+    two = tree_sum(big)
+    torch.set_num_threads(1)
+    assert int((bits(two) != bits(tree_sum(big))).sum()) == 0
+
+
+def test_rope_table_entries_do_not_depend_on_table_size():
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 32, 2).float() / 32))
+    elementwise._rope_tables.clear()
+    late = elementwise.rope(inv_freq, 1.0, torch.tensor([[700]]), torch.float32)  # small table first
+    batch = elementwise.rope(inv_freq, 1.0, torch.arange(1000)[None], torch.float32)  # grown table
+    assert all(int((bits(a[0, 0]) != bits(b[0, 700])).sum()) == 0 for a, b in zip(late, batch))
+
+
+def _attention_inputs(dtype, batch=3, heads=4, kv_heads=2, steps=40, dim=32):
+    g = _gen()
+    q = torch.randn(batch, heads, steps, dim, generator=g).to(dtype)
+    k = torch.randn(batch, kv_heads, steps, dim, generator=g).to(dtype)
+    v = torch.randn(batch, kv_heads, steps, dim, generator=g).to(dtype)
+    return q, k, v
+
+
+def _causal(batch, tq, tk, pads=None):
+    visible = torch.ones(tq, tk, dtype=torch.bool).tril(tk - tq)[None].repeat(batch, 1, 1)
+    for b, p in enumerate(pads or []):
+        visible[b, :, :p] = False
+    return visible[:, None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_prefill_equals_decode_with_padding_and_longer_caches(dtype):
+    q, k, v = _attention_inputs(dtype)
+    pads = [0, 5, 13]
+    full = attention_kernel.attention(q, k, v, _causal(3, 40, 40, pads), 0.17)  # [B, T, H, D]
+    for b, pad in enumerate(pads):
+        for t in (pad, pad + 1, 20, 39):
+            # One decode step of sequence b, alone, with the cache starting at its first real token
+            # and with 11 never-visible slots after it (a longer cache).
+            kk = F.pad(k[b : b + 1, :, pad : t + 1], (0, 0, 0, 11))
+            vv = F.pad(v[b : b + 1, :, pad : t + 1], (0, 0, 0, 11))
+            visible = torch.zeros(1, 1, 1, kk.shape[2], dtype=torch.bool)
+            visible[..., : t + 1 - pad] = True
+            step = attention_kernel.attention(q[b : b + 1, :, t : t + 1], kk, vv, visible, 0.17)
+            assert int((bits(step[0, 0]) != bits(full[b, t])).sum()) == 0, (b, t)
+
+
+def test_attention_threads_and_negative_control():
+    q, k, v = _attention_inputs(torch.float32, batch=1, steps=70)
+    visible = _causal(1, 70, 70)
+    torch.set_num_threads(2)
+    two = attention_kernel.attention(q, k, v, visible, 0.17)
+    torch.set_num_threads(1)
+    assert int((bits(two) != bits(attention_kernel.attention(q, k, v, visible, 0.17))).sum()) == 0
+    # Stock: the same query as a decode step differs from the full-sequence computation.
+    kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    full = F.scaled_dot_product_attention(q, kk, vv, is_causal=True, scale=0.17)
+    steps = torch.cat([F.scaled_dot_product_attention(q[:, :, t : t + 1], kk[:, :, : t + 1], vv[:, :, : t + 1], scale=0.17)
+                       for t in range(70)], dim=2)
+    assert int((bits(full) != bits(steps)).sum()) > 0
+
+
+def test_attention_refuses_a_non_prefix_mask():
+    q, k, v = _attention_inputs(torch.float32, batch=1, steps=8)
+    visible = _causal(1, 8, 8)
+    visible[..., 3, 1] = False  # a hole
+    with pytest.raises(ValueError, match="contiguous run of keys"):
+        attention_kernel.attention(q, k, v, visible, 0.17)
+
+
+def test_logprobs_rows_and_temperature():
+    logits = torch.randn(50, 4096, generator=_gen()) * 3
+    ids = torch.randint(0, 4096, (50,), generator=_gen(1))
+    assert _sliced_mismatch(lambda s: logprobs.logprobs(logits[s], ids[s]), 50) == 0
+    scaled = logprobs.logprobs(logits, ids, 0.7)
+    torch.testing.assert_close(scaled, torch.log_softmax(logits / 0.7, -1).gather(-1, ids[:, None])[:, 0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_token_results_do_not_depend_on_the_other_tokens(dtype):
+    g = _gen()
+    x = torch.randn(40, 64, generator=g).to(dtype)
+    router_w = torch.randn(8, 64, generator=g).to(dtype)
+    gate_up = (torch.randn(8, 64, 64, generator=g) * 0.1).to(dtype)
+    down = (torch.randn(8, 64, 32, generator=g) * 0.1).to(dtype)
+
+    def block(t):
+        w, chosen = moe.router(t, router_w, 2, True)
+        return moe.combine(moe.experts(t, chosen, gate_up, down), w)
+
+    assert _row_mismatch(block, x) == 0
+
+
+def test_moe_negative_control_stock_experts_depend_on_the_batch():
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(hidden_size=256, moe_intermediate_size=512, num_experts=8, num_experts_per_tok=2)
+    block = Qwen3MoeSparseMoeBlock(config)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    x = torch.randn(1, 60, 256, generator=_gen())
+    with torch.no_grad():
+        assert _row_mismatch(lambda t: block(t[None])[0], x[0]) > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gdn_prefill_equals_decode_and_any_split(dtype):
+    g = _gen()
+    B, T, C, W = 2, 23, 96, 4
+    x = torch.randn(B, T, C, generator=g).to(dtype)
+    taps = torch.randn(C, W, generator=g).to(dtype)
+    q = torch.randn(B, T, 2, 16, generator=g).to(dtype)
+    k = torch.randn(B, T, 2, 16, generator=g).to(dtype)
+    v = torch.randn(B, T, 4, 16, generator=g).to(dtype)
+    a = torch.randn(B, T, 4, generator=g).to(dtype)
+    b = torch.randn(B, T, 4, generator=g).to(dtype)
+    A_log, dt_bias = torch.randn(4, generator=g), torch.randn(4, generator=g).to(dtype)
+    full_conv, _ = gdn.conv(x, taps, None, None)
+    full_core, full_state = gdn.core(q, k, v, a, b, A_log, dt_bias, None)
+    for split in (1, 7, 22):
+        c1, s1 = gdn.conv(x[:, :split], taps, None, None)
+        c2, _ = gdn.conv(x[:, split:], taps, None, s1)
+        assert int((bits(torch.cat((c1, c2), 1)) != bits(full_conv)).sum()) == 0
+        o1, r1 = gdn.core(q[:, :split], k[:, :split], v[:, :split], a[:, :split], b[:, :split], A_log, dt_bias, None)
+        o2, r2 = gdn.core(q[:, split:], k[:, split:], v[:, split:], a[:, split:], b[:, split:], A_log, dt_bias, r1)
+        assert int((bits(torch.cat((o1, o2), 1)) != bits(full_core)).sum()) == 0
+        assert int((bits(r2) != bits(full_state)).sum()) == 0
+    # Batch invariance: sequence 1 alone.
+    alone, _ = gdn.core(q[1:], k[1:], v[1:], a[1:], b[1:], A_log, dt_bias, None)
+    assert int((bits(alone) != bits(full_core[1:])).sum()) == 0
+
+
+def test_gdn_negative_control_chunked_vs_recurrent():
+    from transformers.models.qwen3_next.modeling_qwen3_next import (
+        torch_chunk_gated_delta_rule,
+        torch_recurrent_gated_delta_rule,
+    )
+
+    g = _gen()
+    q, k, v = (torch.randn(1, 70, 2, 16, generator=g) for _ in range(3))
+    decay = -torch.rand(1, 70, 2, generator=g)
+    beta = torch.rand(1, 70, 2, generator=g)
+    chunked, _ = torch_chunk_gated_delta_rule(q, k, v, g=decay, beta=beta, use_qk_l2norm_in_kernel=True)
+    recurrent, _ = torch_recurrent_gated_delta_rule(q, k, v, g=decay, beta=beta, use_qk_l2norm_in_kernel=True)
+    assert int((bits(chunked) != bits(recurrent)).sum()) > 0
