@@ -19,7 +19,7 @@ def run_skyrl(*args: str, env: dict[str, str] | None = None, timeout: float = 12
     )
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def third_party_env_packages():
     """Install the fixture packages (one good, one whose import fails) into this venv, and remove them after."""
     names = ["skyrl-example-env", "skyrl-broken-env"]

@@ -18,7 +18,7 @@ class ConfigIssue:
     suggestion: str | None = None
 
     def render(self) -> str:
-        line = f"  {self.path or '(top level)'}: {self.message}"
+        line = f"  {self.path}: {self.message}" if self.path else f"  {self.message}"
         if self.allowed:
             shown = list(self.allowed[:MAX_ALLOWED_SHOWN])
             more = len(self.allowed) - len(shown)
@@ -44,8 +44,13 @@ class ConfigError(Exception):
 
 
 def suggest(name: str, candidates: Iterable[str]) -> str | None:
-    close = difflib.get_close_matches(str(name), list(candidates), n=1, cutoff=0.6)
-    return close[0] if close else None
+    """The closest candidate to a misspelt ``name``, or None; a prefix counts as close (``ppo_clip`` -> ``ppo``)."""
+    candidates = list(candidates)
+    close = difflib.get_close_matches(str(name), candidates, n=1, cutoff=0.6)
+    if close:
+        return close[0]
+    prefixed = [c for c in candidates if len(c) >= 3 and (str(name).startswith(c) or c.startswith(str(name)))]
+    return max(prefixed, key=len) if prefixed else None
 
 
 def show(value: Any) -> str:

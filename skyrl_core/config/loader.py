@@ -200,18 +200,18 @@ def _leaf_message(exc: BaseException) -> str:
 def load_yaml(path: str) -> dict[str, Any]:
     """Read a YAML config file; a missing or malformed file is a ``ConfigError``."""
     if not os.path.exists(path):
-        raise ConfigError([ConfigIssue("", f"config file {path!r} does not exist")])
+        raise ConfigError([ConfigIssue("", "the file does not exist")], source=path)
     try:
         with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError([ConfigIssue("", f"{path} is not valid YAML{where}: {getattr(exc, 'problem', exc)}")]) from None
+        raise ConfigError([ConfigIssue("", f"not valid YAML{where}: {getattr(exc, 'problem', exc)}")], source=path) from None
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError([ConfigIssue("", f"{path} must hold a mapping at the top level, got {type(data).__name__}")])
+        raise ConfigError([ConfigIssue("", f"the top level must be a mapping, got {type(data).__name__}")], source=path)
     return data
 
 

@@ -32,6 +32,8 @@ BAD_CONFIGS: dict[str, tuple[str | None, list[str]]] = {
     "bad_override_value": (TINY_MODEL, ["trainer.steps=0", "generation.temperature=hot"]),
     "unknown_policy_loss": (TINY_MODEL + "algorithm: {policy_loss: {name: ppo_clip}}\n", []),
     "malformed_override": (TINY_MODEL, ["trainer.steps"]),
+    "plugin_section_wrong_type": (TINY_MODEL + "isoexec: {enabled: maybe}\n", []),
+    "unknown_environment": (TINY_MODEL + "environment: sqll\n", []),
 }
 
 
