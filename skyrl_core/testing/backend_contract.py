@@ -15,6 +15,7 @@ checks, against a plain transformers model holding the backend's exported weight
   ``logprob_atol`` (left-padded prompts and right-padded responses of different lengths, two
   temperatures), and is exactly 0 on padding;
 - ``forward_backward`` + ``optim_step`` lower a loss over 5 steps, and its logprobs are ``forward``'s;
+- the gradient norm equals plain transformers' backward of the same loss on unpadded sequences;
 - micro-batch size 1 and 4 give the same loss and gradient norm (``micro_batch_atol``), weights after
   an AdamW step within ``micro_batch_update_rtol * lr`` and logprobs within ``logprob_atol``;
 - a checkpoint round trip (in place, and into a backend built from another seed) repeats the same
@@ -135,6 +136,7 @@ class BackendContract:
 
     logprob_atol: float = 1e-5
     micro_batch_atol: float = 1e-6
+    grad_norm_rtol: float = 1e-5
     micro_batch_update_rtol: float = 2e-2  # of lr, see test_micro_batch_size_does_not_change_the_update
     exact_resume: bool = True  # fp32 on one process: resumed runs must repeat bit for bit
 
@@ -228,6 +230,21 @@ class BackendContract:
             assert math.isfinite(stats["grad_norm"]) and stats["grad_norm"] > 0
             losses.append(metrics["loss"])
         assert all(b < a for a, b in zip(losses, losses[1:])), f"loss did not decrease every step: {losses}"
+
+    def test_gradient_norm_matches_hf_backward(self, make_backend, model_config, sequences, batch):
+        backend = make_backend()
+        hf = hf_model_with(model_config, dict(backend.export_weights()))
+        backend.forward_backward(batch, mean_logprob_loss)
+        grad_norm = backend.optim_step()["grad_norm"]
+        # The same loss on each sequence alone, unpadded, through plain transformers.
+        weights = batch.token_weights
+        for i, (prompt, response) in enumerate(zip(*sequences)):
+            logits = hf(input_ids=torch.tensor([prompt + response])).logits[0].float()
+            logp = torch.log_softmax(logits[len(prompt) - 1 : len(prompt) + len(response) - 1], dim=-1)
+            token_logp = logp.gather(-1, torch.tensor(response)[:, None])[:, 0]
+            (-(token_logp * weights[i, : len(response)]).sum()).backward()
+        expected = torch.nn.utils.clip_grad_norm_(hf.parameters(), float("inf")).item()
+        assert grad_norm == pytest.approx(expected, rel=self.grad_norm_rtol)
 
     def test_micro_batch_size_does_not_change_the_update(self, make_backend, batch):
         lr = 1e-3

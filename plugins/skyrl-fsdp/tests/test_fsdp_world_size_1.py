@@ -57,7 +57,8 @@ def test_a_loss_with_an_entropy_parameter_gets_the_token_entropy(batch, sequence
     seen = []
 
     def loss_with_entropy(logprobs, micro_batch, entropy):
-        seen.append(entropy.detach().clone())
+        # Micro-batches come trimmed to their own longest response: pad back to the batch's.
+        seen.append(torch.nn.functional.pad(entropy.detach(), (0, batch.response_len - entropy.shape[1])))
         # Maximise entropy: a backend handing out a detached or wrong tensor would not move it.
         return -(entropy * micro_batch.token_weights).sum(), {"entropy": float((entropy.detach() * micro_batch.loss_mask).sum())}
 
@@ -143,3 +144,29 @@ def test_closed_backend_refuses_calls(batch):
     fsdp.close()
     with pytest.raises(RuntimeError, match="closed"):
         fsdp.forward(batch)
+
+
+def test_columns_of_padding_are_trimmed_and_change_nothing(batch):
+    # The same rows with 3 more columns of left padding and 2 more of right padding.
+    B, P, R = len(batch), batch.prompt_len, batch.response_len
+    wide_ids = torch.zeros(B, 3 + P + R + 2, dtype=torch.long)
+    wide_mask = torch.zeros_like(wide_ids)
+    wide_ids[:, 3 : 3 + P + R], wide_mask[:, 3 : 3 + P + R] = batch.input_ids, batch.attention_mask
+    wide_loss_mask = torch.nn.functional.pad(batch.loss_mask, (0, 2))
+    wide = TrainingBatch(
+        input_ids=wide_ids, attention_mask=wide_mask, loss_mask=wide_loss_mask, token_weights=wide_loss_mask / wide_loss_mask.sum()
+    )
+    shapes = []
+
+    def loss_recording_shapes(logprobs, micro_batch):
+        shapes.append((tuple(micro_batch.input_ids.shape), tuple(micro_batch.loss_mask.shape), tuple(logprobs.shape)))
+        return mean_logprob_loss(logprobs, micro_batch)
+
+    with backend() as fsdp:
+        tight, padded = fsdp.forward(batch), fsdp.forward(wide)
+        assert padded.shape == (B, R + 2)
+        assert torch.equal(padded[:, :R].view(torch.int32), tight.view(torch.int32))
+        assert torch.all(padded[:, R:] == 0)
+        fsdp.forward_backward(wide, loss_recording_shapes)
+    # Micro-batches of 2 rows keep only their own longest prompt and response.
+    assert shapes == [((2, 7 + 6), (2, 6), (2, 6)), ((2, 5 + 5), (2, 5), (2, 5))]

@@ -77,7 +77,7 @@ class FSDPBackend:
             self._closed = True
             raise
 
-    def _split(self, batch: TrainingBatch) -> tuple[list[tuple], TrainingBatch | None]:
+    def _split(self, batch: TrainingBatch) -> list[tuple[TrainingBatch, int, TrainingBatch | None]]:
         """Per-rank ``(rows, micro-batches every rank runs, filler)`` arguments."""
         _check_batch(batch)
         rows, ranks, mbs = len(batch), self.world_size, self.trainer.micro_batch_size
@@ -88,7 +88,7 @@ class FSDPBackend:
         for size in sizes:
             parts.append(batch.select(slice(start, start + size)))
             start += size
-        return [(part, num_micro, filler) for part in parts], filler
+        return [(part, num_micro, filler) for part in parts]
 
     # --- TrainingBackend -------------------------------------------------------------------------
 
@@ -96,7 +96,7 @@ class FSDPBackend:
         """Log-probabilities ``[B, R]`` (fp32, CPU) of the response tokens under ``logits / temperature``,
         without gradient, 0 on padding."""
         _check_temperature(temperature)
-        per_rank, _ = self._split(batch)
+        per_rank = self._split(batch)
         return torch.cat(self._call("forward", [(part, temperature, n, filler) for part, n, filler in per_rank]))
 
     def forward_backward(self, batch: TrainingBatch, loss_fn: LossFn, temperature: float = 1.0) -> dict[str, float]:
@@ -108,7 +108,7 @@ class FSDPBackend:
         per-token entropy ``[b, R]`` of the same logits (with gradient, 0 on padding).
         """
         _check_temperature(temperature)
-        per_rank, _ = self._split(batch)
+        per_rank = self._split(batch)
         results = self._call(
             "forward_backward", [(part, loss_fn, n, filler, temperature) for part, n, filler in per_rank]
         )

@@ -101,6 +101,23 @@ def _on_device(batch: TrainingBatch, device: torch.device) -> TrainingBatch:
     return attrs.evolve(batch, **moved)
 
 
+def trim_padding(batch: TrainingBatch) -> TrainingBatch:
+    """``batch`` without the columns that are padding in every row: the left of the prompts and
+    the right of the responses (a micro-batch of short sequences need not pay for the longest)."""
+    P, mask = batch.prompt_len, batch.attention_mask.bool()
+    first = int(mask[:, :P].any(0).nonzero()[0])  # every prompt has a real token at column P - 1
+    response_real = mask[:, P:].any(0).nonzero()
+    keep = int(response_real[-1]) + 1 if len(response_real) else 1
+    if first == 0 and keep == batch.response_len:
+        return batch
+    changes: dict[str, Any] = {"input_ids": batch.input_ids[:, first : P + keep], "attention_mask": batch.attention_mask[:, first : P + keep]}
+    for field in attrs.fields(TrainingBatch):
+        value = getattr(batch, field.name)
+        if field.name not in changes and isinstance(value, torch.Tensor) and value.ndim == 2:
+            changes[field.name] = value[:, :keep]
+    return attrs.evolve(batch, **changes)
+
+
 def _scalar(value: Any) -> float:
     return float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
 
@@ -201,9 +218,8 @@ class FSDPRank:
             raise AssertionError(f"rank {self.rank} got {len(real)} micro-batches, more than {num_micro}")
         if len(real) < num_micro and filler is None:
             raise AssertionError(f"rank {self.rank} needs filler passes but got no filler row")
-        return [(_on_device(mb, self.device), True) for mb in real] + [
-            (_on_device(filler, self.device), False) for _ in range(num_micro - len(real))
-        ]
+        passes = [(mb, True) for mb in real] + [(filler, False)] * (num_micro - len(real))
+        return [(_on_device(trim_padding(mb), self.device), is_real) for mb, is_real in passes]
 
     def _response_logprobs(self, batch: TrainingBatch, temperature: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logprobs ``[B, R]`` of the response tokens (0 on padding), and their entropy if asked."""
@@ -231,8 +247,8 @@ class FSDPRank:
         with torch.no_grad(), site_scope("trainer_score"):
             for micro, real in self._micro_batches(part, num_micro, filler):
                 logprobs, _ = self._response_logprobs(micro, temperature, with_entropy=False)
-                if real:
-                    outputs.append(logprobs.float().cpu())
+                if real:  # back to the batch's response length (trimmed columns are padding: 0)
+                    outputs.append(torch.nn.functional.pad(logprobs.float().cpu(), (0, part.response_len - micro.response_len)))
         return torch.cat(outputs) if outputs else torch.zeros(0, part.response_len)
 
     def forward_backward(
