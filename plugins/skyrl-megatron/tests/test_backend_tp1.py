@@ -127,7 +127,7 @@ def test_two_in_process_backends_share_megatrons_parallel_state(sequences):
         ({"tensor_parallel": 0}, "tensor_parallel must be an integer >= 1, got 0"),
         ({"launcher": "inprocess", "world_size": 2}, "'inprocess' runs one process, but world_size is 2"),
         ({"launcher": "mpi"}, "launcher must be one of auto, inprocess, ray; got 'mpi'"),
-        ({"dtype": "float16"}, "dtype must be one of float32, bfloat16; got 'float16'"),
+        ({"mixed_precision": "fp16"}, "mixed_precision must be one of fp32, bf16; got 'fp16'"),
     ],
 )
 def test_bad_options_name_what_is_allowed(options, message):
@@ -135,9 +135,9 @@ def test_bad_options_name_what_is_allowed(options, message):
         MegatronOptions(**options)
 
 
-def test_bfloat16_on_cpu_is_refused_with_the_reason():
-    with pytest.raises(ValueError, match="bfloat16.*needs device 'cuda'"):
-        MegatronBackend(MODEL, MegatronOptions(dtype="bfloat16", device="cpu"))
+def test_bf16_on_cpu_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match="bf16.*needs device 'cuda'"):
+        MegatronBackend(MODEL, MegatronOptions(mixed_precision="bf16", device="cpu"))
     # The failed construction released megatron's parallel state: a new backend builds.
     MegatronBackend(MODEL, MegatronOptions()).close()
 

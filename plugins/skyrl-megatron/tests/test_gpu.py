@@ -41,10 +41,10 @@ class TestMegatronOnOneGPU(BackendContract):
 
 def test_bf16_trains_with_megatrons_optimizer():
     batch = make_batch(*random_sequences(PROMPT_LENGTHS, RESPONSE_LENGTHS, vocab_size=512))
-    options = MegatronOptions(device="cuda", dtype="bfloat16")
+    options = MegatronOptions(device="cuda", mixed_precision="bf16")
     with MegatronBackend(ModelConfig(config=dict(TINY_QWEN3)), options, trainer=TrainerConfig(lr=3e-3, micro_batch_size=2)) as backend:
         contract = backend.execution_contract()
-        assert (contract["device"], contract["dtype"]) == ("cuda", "bfloat16")
+        assert (contract["device"], contract["mixed_precision"]) == ("cuda", "bf16")
         losses = []
         for _ in range(4):
             losses.append(backend.forward_backward(batch, mean_logprob_loss)["loss"])

@@ -47,10 +47,10 @@ class MegatronOptions:
     micro_batch_size: int | None = attrs.field(
         default=None, validator=_at_least_one, metadata=_help("sequences per forward pass (default: trainer.micro_batch_size)")
     )
-    dtype: str | None = attrs.field(
-        default=None,
-        validator=attrs.validators.optional(_one_of("float32", "bfloat16")),
-        metadata=_help("parameter dtype (default: model.dtype)"),
+    mixed_precision: str = attrs.field(
+        default="fp32",
+        validator=_one_of("fp32", "bf16"),
+        metadata=_help("fp32, or bf16: bf16 parameters and compute with fp32 main parameters in megatron's optimizer (GPU only)"),
     )
     device: str = attrs.field(
         default="auto", validator=_one_of("auto", "cpu", "cuda"), metadata=_help("cpu (gloo), cuda (nccl), or auto: cuda when available")

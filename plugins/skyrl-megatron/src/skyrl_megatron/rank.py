@@ -124,8 +124,9 @@ def _release_parallel_state() -> None:
 
 
 class MegatronRank:
-    """Rank ``rank`` of ``options.processes``. Master weights are fp32 unless ``options.dtype`` is
-    bfloat16 (GPU only: megatron's optimizer then keeps fp32 main parameters). Dropout is off."""
+    """Rank ``rank`` of ``options.processes``. Parameters are fp32, or bf16 with
+    ``mixed_precision='bf16'`` (GPU only: megatron's optimizer then keeps fp32 main parameters).
+    Dropout is off."""
 
     def __init__(
         self,
@@ -142,13 +143,12 @@ class MegatronRank:
         self.options, self.trainer, self.model_config = options, trainer, model
         self.rank, self.world_size, self.tp = rank, options.processes, options.tensor_parallel
         self.device = resolve_device(options.device)
-        dtype = options.dtype or "float32"
-        if dtype == "bfloat16" and self.device.type == "cpu":
+        if options.mixed_precision == "bf16" and self.device.type == "cpu":
             raise ValueError(
-                "backend.options.dtype='bfloat16' needs device 'cuda' (megatron's mixed-precision optimizer); "
-                "on CPU the megatron backend trains in float32"
+                "backend.options.mixed_precision='bf16' needs device 'cuda' (megatron's mixed-precision optimizer); "
+                "on CPU the megatron backend trains in fp32"
             )
-        self.params_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+        self.params_dtype = torch.bfloat16 if options.mixed_precision == "bf16" else torch.float32
         _acquire_parallel_state(self.device, rank, self.world_size, self.tp, init_method, seed)
         self._closed = False
         self._init_groups()
@@ -384,7 +384,7 @@ class MegatronRank:
             "tensor_parallel": self.tp,
             "world_size": self.world_size,
             "layer_spec": "transformer_engine" if self.use_transformer_engine else "local",
-            "dtype": str(self.params_dtype).removeprefix("torch."),
+            "mixed_precision": self.options.mixed_precision,
             "device": self.device.type,
             "torch": torch.__version__,
             "megatron_core": megatron.core.__version__,
