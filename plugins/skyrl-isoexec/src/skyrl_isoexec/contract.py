@@ -66,7 +66,7 @@ def environment(dtype: str | None) -> dict[str, Any]:
             blas[line.split(" Version")[0].removeprefix("- ").strip()] = line
     info = dict(part.split("=", 1) for part in config.split(", ") if part.count("=") == 1 and " " not in part.split("=")[0])
     return {
-        "torch": torch.__version__,
+        "torch": str(torch.__version__),  # TorchVersion does not survive vLLM's msgpack RPC
         "blas": info.get("BLAS_INFO", "unknown"),
         "blas_builds": blas,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),

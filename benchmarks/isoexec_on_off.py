@@ -1,0 +1,130 @@
+"""IsoExec on vs off, side by side in one run: engine tokens/s, trainer step time, and the trainer
+step with the old-logprob pass skipped (what a verified contract allows).
+
+The model is SmolLM2-135M-Instruct (fp32, converted by ``skyrl_core.models.prepare_smollm2``) or,
+with ``--preset``, a tiny random model of an IsoExec preset family. The skyrl-torch engine samples
+``--batch`` prompts (16-48 random tokens) for ``--max-new-tokens`` tokens; the FSDP trainer
+(world size 1) then runs one step on those samples:
+
+- ``step``: old-logprob forward (``backend.forward``) + ``forward_backward`` + ``optim_step``;
+- ``step, skip``: the same without the old-logprob forward (old logprobs = rollout logprobs).
+
+On and off alternate ``--repeats`` times after one warm-up each, so that a busy machine slows both
+alike; medians are compared. Targets (issue 6): on/off <= 1.10x, and (on with skip)/(off) <= 1.0x.
+
+    python benchmarks/isoexec_on_off.py [--preset qwen3] [--repeats 3] [--threads 2] [--batch 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default=None, help="an IsoExec preset family instead of SmolLM2-135M")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    args = parser.parse_args()
+
+    import torch
+
+    from skyrl_core.config.schema import ModelConfig, TrainerConfig
+    from skyrl_core.types import GenerationRequest, SamplingParams
+    from skyrl_isoexec import state
+    from skyrl_isoexec.verify import build_runtime, training_batch
+
+    torch.set_num_threads(args.threads)
+    if args.preset:
+        from skyrl_isoexec.presets import preset
+
+        model = ModelConfig(config=preset(args.preset), dtype=args.dtype)
+        name = f"preset {args.preset}"
+    else:
+        from skyrl_core.models import prepare_smollm2
+
+        model = ModelConfig(path=prepare_smollm2(), dtype=args.dtype)
+        name = "SmolLM2-135M-Instruct"
+    runtimes = {}
+    for label, on in (("off", False), ("on", True)):
+        with state.enabled_scope(on):
+            trainer = build_runtime(
+                "training_backend", "fsdp",
+                {"device": "cpu", "mixed_precision": "bf16" if args.dtype == "bfloat16" else "fp32"},
+                model, seed=0, trainer=TrainerConfig(micro_batch_size=args.batch, lr=1e-6),
+            )
+            engine = build_runtime("inference_engine", "torch", {"max_num_seqs": args.batch}, model, seed=0)
+            engine.update_weights(trainer.export_weights())
+            runtimes[label] = (engine, trainer)
+    vocab = runtimes["on"][0].vocab_size
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(16, 48))] for _ in range(args.batch)]
+
+    def generate(engine, seed: int, max_new: int):
+        requests = [
+            GenerationRequest(request_id=str(i), prompt_token_ids=p,
+                              sampling=SamplingParams(max_tokens=max_new, seed=seed * 1000 + i, stop_token_ids=()))
+            for i, p in enumerate(prompts)
+        ]
+        return [s for group in engine.generate(requests) for s in group]
+
+    def loss_fn(logprobs, micro):
+        mask = micro.loss_mask
+        ratio = torch.exp(logprobs - micro.old_logprobs)
+        return -(ratio * mask).sum() / mask.sum().clamp(min=1), {}
+
+    def train_step(trainer, samples, skip: bool) -> float:
+        batch = training_batch(samples)
+        rollout = torch.zeros(batch.loss_mask.shape)
+        for i, s in enumerate(samples):
+            rollout[i, : len(s.logprobs)] = torch.tensor(s.logprobs)
+        started = time.perf_counter()
+        old = rollout if skip else trainer.forward(batch)
+        import attrs
+
+        trainer.forward_backward(attrs.evolve(batch, old_logprobs=old), loss_fn)
+        trainer.optim_step()
+        return time.perf_counter() - started
+
+    print(f"{name} {args.dtype}, batch {args.batch}, {args.max_new_tokens} new tokens, {args.threads} threads", flush=True)
+    for label in ("off", "on"):  # warm-up
+        engine, trainer = runtimes[label]
+        with state.enabled_scope(label == "on"):
+            train_step(trainer, generate(engine, 0, 4), skip=False)
+    times: dict[str, list[float]] = {k: [] for k in ("gen off", "gen on", "step off", "step on", "step on, skip")}
+    tokens_per_run: dict[str, int] = {}
+    for rep in range(args.repeats):
+        for label in ("off", "on"):
+            engine, trainer = runtimes[label]
+            with state.enabled_scope(label == "on"):
+                started = time.perf_counter()
+                samples = generate(engine, rep + 1, args.max_new_tokens)
+                seconds = time.perf_counter() - started
+                tokens_per_run[label] = sum(len(s.token_ids) for s in samples)
+                times[f"gen {label}"].append(tokens_per_run[label] / seconds)
+                times[f"step {label}"].append(train_step(trainer, samples, skip=False))
+                if label == "on":
+                    times["step on, skip"].append(train_step(trainer, samples, skip=True))
+            print(f"repeat {rep} {label:3s}: engine {times[f'gen {label}'][-1]:8.1f} tokens/s, "
+                  f"step {times[f'step {label}'][-1]:6.2f} s"
+                  + (f", step with skip {times['step on, skip'][-1]:6.2f} s" if label == "on" else ""), flush=True)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"median engine tokens/s: off {med['gen off']:.1f}, on {med['gen on']:.1f}  "
+          f"(time ratio on/off {med['gen off'] / med['gen on']:.2f}x)")
+    print(f"median trainer step: off {med['step off']:.2f} s, on {med['step on']:.2f} s  "
+          f"(ratio on/off {med['step on'] / med['step off']:.2f}x)")
+    print(f"median trainer step, old-logprob pass skipped: on {med['step on, skip']:.2f} s  "
+          f"(net ratio vs off {med['step on, skip'] / med['step off']:.2f}x)")
+    for engine, trainer in runtimes.values():
+        engine.close()
+        trainer.close()
+
+
+if __name__ == "__main__":
+    main()
