@@ -18,16 +18,16 @@ import sys
 
 
 def worker_init(role: str) -> bool:
-    """Install the canonical ops into vLLM when this is a vLLM process of an engine with IsoExec on.
+    """Install the canonical ops into this process's vLLM, if it has one; return whether it did.
 
-    Returns whether they are installed. A process that has not imported vLLM (a trainer, another
-    engine) is left alone, so this is cheap everywhere else.
+    skyrl's vLLM bootstrap calls this (through ``skyrl_worker_init``) in every vLLM process that
+    skyrl starts, once per process. The installed replacements stay inert for engines built while
+    IsoExec is off (see ``install``). A process without vLLM (a trainer, another engine) is left alone.
     """
-    from skyrl_isoexec import state
-
-    if role != "engine" or "vllm" not in sys.modules or not state.enabled():
+    if role != "engine" or "vllm" not in sys.modules:
         return False
+    from skyrl_isoexec import state
     from skyrl_isoexec.vllm.install import install
 
-    install()
+    install(strict=state.enabled())
     return True

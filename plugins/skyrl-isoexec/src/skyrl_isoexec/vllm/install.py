@@ -14,8 +14,11 @@ process it starts (front-end, engine core, each worker) before any model is buil
    implementations, calls per site, what is installed) is attached to the model as
    ``_skyrl_op_ledger``, where skyrl's worker attestation RPC reads it.
 
-Modules built while IsoExec is off in the process keep vLLM's own code, so an installed process
-still serves IsoExec-off engines (in-process tests build both).
+Everything installed is inert for modules built while IsoExec is off: each replacement decides
+when its module is built (or its weights processed) and otherwise runs vLLM's own code. So skyrl
+installs it in every vLLM process it starts, on or off: an in-process engine (one Python process
+for trainer and vLLM, whose plugins vLLM loads only once) can then be built with IsoExec on after
+one built with it off, and the reverse.
 """
 
 from __future__ import annotations
@@ -29,19 +32,23 @@ _installed: dict[str, str] = {}
 _wrapped: dict[tuple[type, str], Callable[..., Any]] = {}
 
 
-def _register_custom_ops() -> dict[str, str]:
+def _register_custom_ops(strict: bool) -> dict[str, str]:
     from vllm.model_executor.custom_op import CustomOp, op_registry_oot
 
     done = {}
     for name, cls in layers.REPLACEMENTS.items():
         current = op_registry_oot.get(name)
         if current is None:
+            stock_name = cls.__mro__[1].__dict__.get("name", getattr(cls, "name", name))
             CustomOp.register_oot(cls, name=name)
+            cls.name = stock_name  # keep vLLM's custom-op name, so enabling/dispatch is unchanged when off
         elif current is not cls:
-            raise RuntimeError(
-                f"IsoExec cannot install its {name} into vLLM: another plugin already replaced it with "
-                f"{current.__module__}.{current.__qualname__}"
-            )
+            if strict:
+                raise RuntimeError(
+                    f"IsoExec cannot install its {name} into vLLM: another plugin already replaced it with "
+                    f"{current.__module__}.{current.__qualname__}"
+                )
+            continue  # IsoExec is off here; a model built with it on would be refused at load
         done[f"CustomOp {name}"] = f"{cls.__module__}.{cls.__qualname__}"
     return done
 
@@ -115,13 +122,17 @@ def _runner_classes() -> list[type]:
     return [GPUModelRunner]
 
 
-def install() -> dict[str, str]:
-    """Install everything (once per process); return ``{what vLLM had: what replaces it}``."""
+def install(strict: bool = True) -> dict[str, str]:
+    """Install everything (once per process); return ``{what vLLM had: what replaces it}``.
+
+    ``strict`` (IsoExec on now) makes a rival plugin's replacement of one of our ops an error;
+    otherwise that op is left to the rival, and a model built later with IsoExec on is refused.
+    """
     if _installed:
         return dict(_installed)
     from vllm.engine.arg_utils import EngineArgs
 
-    installed = _register_custom_ops()
+    installed = _register_custom_ops(strict)
     installed.update(linear.install())
     installed.update(attention.install())
     installed.update(sampler.install())
