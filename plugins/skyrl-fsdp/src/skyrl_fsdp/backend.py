@@ -102,6 +102,9 @@ class FSDPBackend:
     def forward_backward(self, batch: TrainingBatch, loss_fn: LossFn, temperature: float = 1.0) -> dict[str, float]:
         """Accumulate gradients of ``loss_fn`` over every micro-batch of ``batch`` on every rank.
 
+        Each micro-batch reaching ``loss_fn`` is trimmed of the columns that are padding in all its
+        rows, so its ``[b, r]`` tensors (logprobs included) have its own longest response ``r``.
+
         Returns the mean over micro-batches of each metric ``loss_fn`` returned, and ``"loss"``: the
         sum of the micro-batch losses (the whole batch's loss when ``loss_fn`` normalises with
         ``batch.token_weights``). A ``loss_fn`` with an ``entropy`` parameter also receives the
