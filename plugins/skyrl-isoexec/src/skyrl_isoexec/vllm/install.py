@@ -39,7 +39,7 @@ def _register_custom_ops(strict: bool) -> dict[str, str]:
     for name, cls in layers.REPLACEMENTS.items():
         current = op_registry_oot.get(name)
         if current is None:
-            stock_name = cls.__mro__[1].__dict__.get("name", getattr(cls, "name", name))
+            stock_name = getattr(cls, "name", name)  # inherited from the vLLM class it replaces
             CustomOp.register_oot(cls, name=name)
             cls.name = stock_name  # keep vLLM's custom-op name, so enabling/dispatch is unchanged when off
         elif current is not cls:

@@ -1,0 +1,182 @@
+"""Each vLLM-side replacement computes the trainer's bits, op by op (no engine started).
+
+The reference is what the trainer's transformers model computes at that op with IsoExec on; the
+negative control is vLLM's own op on the same inputs (which differs, so each test can fail).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from skyrl_isoexec import state
+from skyrl_isoexec.kernels import attention as canonical_attention
+from skyrl_isoexec.kernels import elementwise, logprobs
+from skyrl_isoexec.parity import bits, build_model
+
+vllm_config = pytest.importorskip("vllm.config")
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture
+def vllm_modules():
+    """Build vLLM modules as the engine's worker does: inside a vLLM config, IsoExec on."""
+    with state.enabled_scope(True), vllm_config.set_current_vllm_config(vllm_config.VllmConfig()):
+        yield
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rotary_matches_the_trainers_transformers_rotary(vllm_modules, family, dtype):
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    from skyrl_isoexec.vllm.layers import IsoExecRotaryEmbedding
+
+    model, _ = build_model(family, dtype, enabled=True, wide=True)
+    attn = model.model.layers[0].self_attn
+    modeling = __import__(type(attn).__module__, fromlist=["apply_rotary_pos_emb"])
+    rotary = model.model.rotary_emb
+    heads, kv_heads, dim = model.config.num_attention_heads, model.config.num_key_value_heads, attn.head_dim
+    theta = model.config.rope_parameters["rope_theta"]
+    torch_dtype = getattr(torch, dtype)
+    positions = torch.tensor([0, 1, 2, 700, 5, 6, 300, 301])
+    q = torch.randn(len(positions), heads, dim, generator=_gen(0)).to(torch_dtype)
+    k = torch.randn(len(positions), kv_heads, dim, generator=_gen(1)).to(torch_dtype)
+
+    # Trainer: canonical cos/sin (IsoExec's rope op), transformers' own rotation, [B, H, T, D].
+    cos, sin = elementwise.rope(rotary.inv_freq, float(rotary.attention_scaling), positions[None], torch_dtype)
+    want_q, want_k = modeling.apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    want_q, want_k = want_q[0].transpose(0, 1), want_k[0].transpose(0, 1)
+
+    iso = IsoExecRotaryEmbedding(dim, dim, 1024, theta, True, torch_dtype)
+    assert int((bits(iso._isoexec_inv_freq) != bits(rotary.inv_freq)).sum()) == 0
+    got_q, got_k = iso(positions, q.reshape(len(positions), -1), k.reshape(len(positions), -1))
+    assert int((bits(got_q.view_as(q)) != bits(want_q)).sum()) == 0
+    assert int((bits(got_k.view_as(k)) != bits(want_k)).sum()) == 0
+    if dtype == "bfloat16":  # vLLM's own (C++) CPU rotary rounds differently
+        stock = RotaryEmbedding(dim, dim, 1024, theta, True, torch_dtype)
+        stock_q, _ = stock.forward_cpu(positions, q.reshape(len(positions), -1).clone(), k.reshape(len(positions), -1).clone())
+        assert int((bits(stock_q.view_as(q)) != bits(want_q)).sum()) > 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rms_norm_rounds_the_residual_add_like_the_trainer(vllm_modules, dtype):
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    from skyrl_core.ops import site_scope
+    from skyrl_isoexec.vllm.layers import IsoExecRMSNorm
+
+    model, _ = build_model("qwen3", dtype, enabled=True, wide=True)
+    hf_norm = model.model.layers[0].post_attention_layernorm  # patched by prepare_model
+    hidden = model.config.hidden_size
+    torch_dtype = getattr(torch, dtype)
+    residual = torch.randn(40, hidden, generator=_gen(0)).to(torch_dtype)
+    x = torch.randn(40, hidden, generator=_gen(1)).to(torch_dtype)
+    with torch.no_grad(), site_scope("trainer_forward"):
+        summed = residual + x  # the decoder layer's residual add, in the model dtype
+        want = hf_norm(summed)
+
+    iso = IsoExecRMSNorm(hidden, eps=hf_norm.variance_epsilon, dtype=torch_dtype)
+    iso.weight.data.copy_(hf_norm.weight.data)
+    got, got_residual = iso(x, residual)
+    assert int((bits(got) != bits(want)).sum()) == 0
+    assert int((bits(got_residual) != bits(summed)).sum()) == 0
+    assert int((bits(iso(summed)) != bits(want)).sum()) == 0
+    stock = RMSNorm(hidden, eps=hf_norm.variance_epsilon, dtype=torch_dtype)
+    stock.weight.data.copy_(hf_norm.weight.data)
+    stock_out, _ = stock.forward_native(x.clone(), residual.clone())
+    assert int((bits(stock_out) != bits(want)).sum()) > 0  # vLLM normalises the unrounded fp32 sum
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_full_log_softmax_gathers_to_the_trainers_token_logprobs(dtype):
+    from skyrl_isoexec.vllm.sampler import full_log_softmax
+
+    logits = (torch.randn(70, 49152, generator=_gen(0)) * 4).to(dtype)
+    ids = torch.randint(0, 49152, (70,), generator=_gen(1))
+    want = logprobs.logprobs(logits, ids)
+    for rows in (slice(0, 70), slice(3, 4), slice(10, 13)):
+        got = full_log_softmax(logits[rows]).gather(-1, ids[rows, None])[:, 0]
+        assert int((bits(got) != bits(want[rows])).sum()) == 0
+    stock = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, None])[:, 0]  # vLLM's own
+    assert int((bits(stock) != bits(want)).sum()) > 0
+
+
+def _paged(lengths, kv_heads, dim, block_size, dtype, seed):
+    """Keys/values of each sequence, and a KV cache holding them in shuffled blocks via ``write_kv``."""
+    from skyrl_isoexec.vllm.attention import write_kv
+
+    blocks_each = [-(-n // block_size) for n in lengths]
+    order = torch.randperm(sum(blocks_each) + 1, generator=_gen(seed))[: sum(blocks_each)]
+    cache = torch.full((sum(blocks_each) + 1, kv_heads, block_size, 2 * dim), float("nan"), dtype=dtype)
+    tables, keys, values, used = [], [], [], 0
+    for i, n in enumerate(lengths):
+        table = order[used : used + blocks_each[i]]
+        used += blocks_each[i]
+        tables.append(F.pad(table, (0, max(blocks_each) - len(table))))
+        k = torch.randn(n, kv_heads, dim, generator=_gen(seed + 10 + i)).to(dtype)
+        v = torch.randn(n, kv_heads, dim, generator=_gen(seed + 20 + i)).to(dtype)
+        slots = table[torch.arange(n) // block_size] * block_size + torch.arange(n) % block_size
+        write_kv(cache, k, v, slots)
+        keys.append(k)
+        values.append(v)
+    return cache, torch.stack(tables), keys, values
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_matches_the_trainers_padded_full_forward(dtype):
+    from skyrl_isoexec.vllm.attention import IsoExecAttentionMetadata, attend
+
+    heads, kv_heads, dim, block_size, scale = 4, 2, 32, 32, 32**-0.5
+    lengths = [5, 70, 33]
+    cache, tables, keys, values = _paged(lengths, kv_heads, dim, block_size, dtype, seed=0)
+    queries = [torch.randn(n, heads, dim, generator=_gen(40 + i)).to(dtype) for i, n in enumerate(lengths)]
+
+    # Trainer: one left-padded batch, causal + padding mask, [B, H, T, D].
+    width = max(lengths)
+    q = torch.zeros(len(lengths), heads, width, dim, dtype=dtype)
+    k = torch.zeros(len(lengths), kv_heads, width, dim, dtype=dtype)
+    v = torch.zeros_like(k)
+    real = torch.zeros(len(lengths), width, dtype=torch.bool)
+    for i, n in enumerate(lengths):
+        q[i, :, width - n :] = queries[i].transpose(0, 1)
+        k[i, :, width - n :] = keys[i].transpose(0, 1)
+        v[i, :, width - n :] = values[i].transpose(0, 1)
+        real[i, width - n :] = True
+    visible = (torch.ones(width, width, dtype=torch.bool).tril()[None] & real[:, None, :])[:, None]
+    full = canonical_attention.attention(q, k, v, visible, scale)  # [B, T, H, D]
+    want = [full[i, width - n :] for i, n in enumerate(lengths)]
+
+    def step(query_counts):
+        """One vLLM step: request i computes its last ``query_counts[i]`` tokens against the cache."""
+        starts = torch.tensor([0, *torch.tensor(query_counts).cumsum(0).tolist()])
+        query = torch.cat([queries[i][n - c :] for i, (n, c) in enumerate(zip(lengths, query_counts))])
+        meta = IsoExecAttentionMetadata(
+            num_actual_tokens=int(starts[-1]), num_reqs=len(lengths), max_query_len=max(query_counts),
+            max_seq_len=max(lengths), query_start_loc=starts, seq_lens=torch.tensor(lengths),
+            block_table=tables, slot_mapping=torch.zeros(0, dtype=torch.long),
+        )
+        out = torch.empty_like(query)
+        attend(query, cache, meta, scale, out)
+        return [out[starts[i] : starts[i + 1]] for i in range(len(lengths))]
+
+    prefill = step(lengths)  # every token at once
+    decode = step([1, 1, 1])  # the last token of each, as a decode step
+    chunk = step([2, 17, 1])  # chunked prefill / cached prefix
+    for i, n in enumerate(lengths):
+        assert int((bits(prefill[i]) != bits(want[i])).sum()) == 0
+        assert int((bits(decode[i]) != bits(want[i][-1:])).sum()) == 0
+        assert int((bits(chunk[i]) != bits(want[i][-len(chunk[i]) :])).sum()) == 0
+    # Negative control: plain SDPA over each sequence alone differs from the trainer's bits.
+    sdpa = [
+        F.scaled_dot_product_attention(
+            queries[i].transpose(0, 1)[None], keys[i].transpose(0, 1)[None], values[i].transpose(0, 1)[None],
+            is_causal=True, scale=scale, enable_gqa=True,
+        )[0].transpose(0, 1)
+        for i in range(len(lengths))
+    ]
+    assert sum(int((bits(s) != bits(w)).sum()) for s, w in zip(sdpa, want)) > 0
