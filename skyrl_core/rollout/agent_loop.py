@@ -42,22 +42,24 @@ class Sampling:
 
 
 class EnvironmentFactory:
-    """Builds a fresh environment per episode: ``row["env_class"]`` through the plugin manager,
-    with ``default_options`` when that class is the config's default environment."""
+    """Builds a fresh environment per episode: ``row["env_class"]`` through the plugin manager.
+
+    The config's default environment gets ``default_options``: its options object, already
+    validated by the config loader (passed to the factory as keywords), or a plain dict
+    (validated here).
+    """
 
     def __init__(self, plugin_manager: Any, default_name: str, default_options: Any = None) -> None:
         self.pm = plugin_manager
         self.default_name = default_name
-        if default_options is None:
-            self.default_options: dict[str, Any] = {}
-        elif attrs.has(type(default_options)):
-            self.default_options = attrs.asdict(default_options, recurse=False)
-        else:
-            self.default_options = dict(default_options)
+        self.default_options = default_options
 
     def __call__(self, env_class: str) -> Any:
-        options = self.default_options if env_class == self.default_name else {}
-        return self.pm.build("environment", env_class, options)
+        options = self.default_options if env_class == self.default_name else None
+        if options is not None and attrs.has(type(options)):
+            factory = self.pm.spec("environment", env_class).load_factory()
+            return factory(**attrs.asdict(options, recurse=False))
+        return self.pm.build("environment", env_class, dict(options or {}))
 
 
 @attrs.define

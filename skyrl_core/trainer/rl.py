@@ -47,6 +47,7 @@ from skyrl_core.trainer import checkpoint as ckpt
 from skyrl_core.trainer.evaluate import evaluate
 from skyrl_core.trainer.loss import RLLoss
 from skyrl_core.trainer.metrics import PLOT_FILE, MetricsLog, plot_metrics
+from skyrl_core.trainer.packing import length_sorted_chunks, scatter_rows
 from skyrl_core.trainer.progress import Progress
 from skyrl_core.trainer.reference import ReferencePolicy
 from skyrl_core.trainer.runtime import build_backend, build_engine, build_selected, handshake, resolve_model
@@ -90,6 +91,8 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
     kl_ctl = (AdaptiveKLController(kl_cfg.coef, kl_cfg.adaptive_target, kl_cfg.adaptive_horizon)
               if kl_cfg.adaptive_target is not None else FixedKLController(kl_cfg.coef))
 
+    # Plugins adopt the run's config first: IsoExec must be on before runtimes install their ops.
+    pm.hook.skyrl_on_run_start(config=cfg, run_dir=run_dir)
     backend = build_backend(pm, cfg, model)
     engine = build_engine(pm, cfg, model)
     reference = ReferencePolicy(model, seed=tc.seed, micro_batch_size=tc.micro_batch_size) if use_kl else None
@@ -112,12 +115,12 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
         kl_ctl.value = float(state["kl_coef"])
     log = MetricsLog(run_dir, history)
     progress = Progress(enabled=tc.progress, total=tc.steps, initial=start_step)
-    pm.hook.skyrl_on_run_start(config=cfg, run_dir=run_dir)
 
     # The engine starts from the backend's weights (fresh or restored), after the handshake.
     handshake(pm, backend, engine)
     engine.update_weights(backend.export_weights())
     skip_old_logprobs = tc.reuse_rollout_logprobs or _isoexec_skips_old_logprobs(cfg, pm)
+    chunk_rows = tc.micro_batch_size * getattr(backend, "world_size", 1)  # micro_batch_size is per rank
 
     def run_eval(step: int) -> dict[str, float]:
         if not eval_rows:
@@ -154,7 +157,10 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
 
             # 2. old logprobs (the policy that sampled, as the trainer computes it) and the reference
             t = time.perf_counter()
-            old_logprobs = batch.rollout_logprobs if skip_old_logprobs else backend.forward(batch)
+            # Skipped when the engine's logprobs are the trainer's (IsoExec, or the user says so);
+            # step 1 computes them anyway, so the log shows the mismatch the skip relies on.
+            measure = not skip_old_logprobs or step == 1
+            old_logprobs = _forward(backend, batch, chunk_rows) if measure else batch.rollout_logprobs
             timings["time/old_logprobs"] = time.perf_counter() - t
             ref_logprobs = reference.forward(batch) if reference is not None else None
 
@@ -166,7 +172,7 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
                 metrics["kl"] = float(kl.sum() / batch.loss_mask.sum().clamp(min=1))
             advantages, returns = _advantages(estimator, samples, rewards, batch)
             multiplier, mismatch = off_policy_correction(
-                old_logprobs, None if skip_old_logprobs else batch.rollout_logprobs, batch.loss_mask, cfg.algorithm.off_policy
+                old_logprobs, batch.rollout_logprobs if measure else None, batch.loss_mask, cfg.algorithm.off_policy
             )
             metrics.update(mismatch)
             batch = attrs.evolve(batch, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
@@ -183,9 +189,9 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
                     mini = batch.select(rows_of_mini)
                     weights = reduction_weights(mini.loss_mask, cfg.algorithm.loss_reduction, mini.group_ids, norm_len)
                     mini = attrs.evolve(mini, token_weights=weights * multiplier[rows_of_mini])
-                    step_metrics = backend.forward_backward(mini, loss_fn)
-                    step_metrics.update(backend.optim_step())
-                    train_metrics.append(step_metrics)
+                    # length-sorted, trimmed micro-batches; gradients accumulate until the step
+                    micro = [backend.forward_backward(chunk, loss_fn) for _, chunk in length_sorted_chunks(mini, chunk_rows)]
+                    train_metrics.append({**_combine_micro_metrics(micro), **backend.optim_step()})
             metrics.update(_mean_metrics(train_metrics))
             timings["time/train"] = time.perf_counter() - t
             if use_kl:
@@ -290,6 +296,12 @@ def _drop_uniform_groups(samples: list[TrainingSample]) -> tuple[list[TrainingSa
     return kept, len(kept) / len(samples)
 
 
+def _forward(backend: Any, batch: TrainingBatch, chunk_rows: int) -> torch.Tensor:
+    """The backend's logprobs ``[B, R]`` of ``batch``, computed on length-sorted trimmed chunks."""
+    parts = [(rows, backend.forward(chunk)) for rows, chunk in length_sorted_chunks(batch, chunk_rows)]
+    return scatter_rows(parts, len(batch), batch.response_len)
+
+
 def _advantages(estimator: Any, samples: list[TrainingSample], rewards: torch.Tensor, batch: TrainingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages and returns ``[B, R]``. Step-wise samples: estimated on each episode's last step
     (one per episode, so groups count episodes, not turns), then given to its earlier steps."""
@@ -312,6 +324,13 @@ def _mini_batches(rows: int, count: int) -> list[list[int]]:
     count = min(count, rows)
     bounds = [round(i * rows / count) for i in range(count + 1)]
     return [list(range(bounds[i], bounds[i + 1])) for i in range(count)]
+
+
+def _combine_micro_metrics(records: list[dict[str, float]]) -> dict[str, float]:
+    """One mini-batch's metrics from its micro-batches': losses add up, the rest is averaged."""
+    out = _mean_metrics(records)
+    out["loss"] = sum(r.get("loss", 0.0) for r in records)
+    return out
 
 
 def _mean_metrics(records: list[dict[str, float]]) -> dict[str, float]:

@@ -1,0 +1,72 @@
+"""Length-sorted trimmed micro-batches keep every real token and the exact loss sum."""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from skyrl_core.algorithms.reductions import reduction_weights
+from skyrl_core.rollout import TrainingSample, build_training_batch
+from skyrl_core.trainer.packing import length_sorted_chunks, scatter_rows, trim
+
+PAD = 99
+
+
+def _batch():
+    shapes = [(3, 5), (1, 2), (4, 0), (2, 7), (3, 1)]  # (prompt, response) lengths
+    samples = [
+        TrainingSample(prompt_ids=tuple(range(10 * i, 10 * i + p)), response_ids=tuple(range(50 + i, 50 + i + r)),
+                       loss_mask=(1.0,) * r, logprobs=tuple(-0.1 * (k + 1) for k in range(r)), reward=float(i),
+                       group_id=f"g{i % 2}", trajectory_id=f"t{i}", is_last_step=True)
+        for i, (p, r) in enumerate(shapes)
+    ]
+    return samples, build_training_batch(samples, PAD)
+
+
+def _real_tokens(batch, row):
+    return batch.input_ids[row][batch.attention_mask[row].bool()].tolist()
+
+
+def test_trim_drops_only_all_padding_columns() -> None:
+    _, batch = _batch()
+    sub = trim(batch.select([1, 4]))  # prompts of 1 and 3 tokens, responses of 2 and 1
+    assert sub.input_ids.shape == (2, 3 + 2) and sub.loss_mask.shape == (2, 2)
+    for i, row in enumerate([1, 4]):
+        assert _real_tokens(sub, i) == _real_tokens(batch, row)
+        assert sub.rollout_logprobs[i].tolist() == batch.rollout_logprobs[row, :2].tolist()
+    empty = trim(batch.select([2]))  # a zero-length response keeps one (masked) column
+    assert empty.response_len == 1 and empty.loss_mask.sum() == 0
+
+
+def test_chunks_cover_every_row_once_sorted_by_length() -> None:
+    samples, batch = _batch()
+    chunks = length_sorted_chunks(batch, 2)
+    rows = [r for idx, _ in chunks for r in idx]
+    assert sorted(rows) == list(range(len(samples)))
+    assert rows == [2, 4, 1, 0, 3]  # by response length, then prompt length
+    for idx, chunk in chunks:
+        for i, row in enumerate(idx):
+            assert _real_tokens(chunk, i) == _real_tokens(batch, row)
+            assert chunk.group_ids[i] == batch.group_ids[row]
+    # negative control: the full-width batch is wider than any trimmed chunk but the last
+    assert max(c.input_ids.shape[1] for _, c in chunks[:-1]) < batch.input_ids.shape[1]
+
+
+def test_token_weights_sliced_before_chunking_sum_to_the_whole() -> None:
+    _, batch = _batch()
+    weights = reduction_weights(batch.loss_mask, "sequence_mean")
+    per_token = torch.randn(batch.loss_mask.shape, generator=torch.Generator().manual_seed(0)) * batch.loss_mask
+    whole = float((per_token * weights).sum())
+    batch = attrs.evolve(batch, token_weights=weights, values=per_token)
+    chunks = length_sorted_chunks(batch, 2)
+    parts = sum(float((c.values * c.token_weights).sum()) for _, c in chunks)
+    assert abs(parts - whole) < 1e-6
+    # negative control: weights recomputed per chunk would not add up to the whole
+    local = sum(float((c.values * reduction_weights(c.loss_mask, "sequence_mean")).sum()) for _, c in chunks)
+    assert abs(local - whole) > 1e-3
+
+
+def test_scatter_rows_restores_batch_order() -> None:
+    _, batch = _batch()
+    parts = [(idx, chunk.rollout_logprobs) for idx, chunk in length_sorted_chunks(batch, 2)]
+    assert torch.equal(scatter_rows(parts, len(batch), batch.response_len), batch.rollout_logprobs)
