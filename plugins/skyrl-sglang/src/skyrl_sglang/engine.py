@@ -85,10 +85,11 @@ class SGLangEngine:
         import sglang
 
         from skyrl_core.ops import prepare_model
-        from skyrl_vllm.model_dir import materialize_model
+        from skyrl_vllm.model_dir import checkpoint_shapes, materialize_model
 
         self.sglang_version = sglang.__version__
         model_dir, tokenizer_dir = materialize_model(model, seed=self.seed, parent_dir=self._workdir)
+        self._weight_shapes = checkpoint_shapes(model_dir)
         kwargs: dict[str, Any] = {
             "model_path": model_dir,
             "tokenizer_path": tokenizer_dir or model_dir,
@@ -135,10 +136,13 @@ class SGLangEngine:
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load the trainer's weights (HF names) in place and flush SGLang's prefix (radix) cache."""
+        from skyrl_vllm.model_dir import check_weights
+
         engine = self._running()
         tensors = [(name, t.detach()) for name, t in named_tensors]
         if not tensors:
             raise ValueError("update_weights got no tensors")
+        check_weights(tensors, self._weight_shapes)  # a bad name inside SGLang's scheduler is fatal
         result = engine.update_weights_from_tensor(named_tensors=tensors, flush_cache=True)
         success, message = (result if isinstance(result, tuple) else (True, ""))[:2]
         if not success:
@@ -156,15 +160,15 @@ class SGLangEngine:
         }
 
     def sleep(self) -> None:
-        """Release the KV cache and weights' GPU memory (``release_memory_occupation``)."""
+        """Release the GPU memory of ``options.sleep_tags`` (default: the KV cache) until ``wake``."""
         engine = self._running()
-        engine.release_memory_occupation()
+        engine.release_memory_occupation(tags=list(self.options.sleep_tags))
         self._asleep = True
 
     def wake(self) -> None:
         if self._engine is None or not self._asleep:
             return
-        self._engine.resume_memory_occupation()
+        self._engine.resume_memory_occupation(tags=list(self.options.sleep_tags))
         self._asleep = False
 
     def close(self) -> None:

@@ -41,6 +41,14 @@ class SGLangOptions:
     enable_memory_saver: bool = attrs.field(
         default=True, metadata=_help("needed by sleep()/wake() (release/resume memory occupation)")
     )
+    sleep_tags: tuple[str, ...] = attrs.field(
+        default=("kv_cache",),
+        converter=tuple,
+        metadata=_help(
+            "what sleep() releases: kv_cache, weights, cuda_graph (after releasing weights, update_weights "
+            "before generating again)"
+        ),
+    )
     engine_kwargs: dict[str, Any] = attrs.field(factory=dict, metadata=_help("extra keyword arguments for sglang.Engine"))
 
     def __attrs_post_init__(self) -> None:
@@ -50,6 +58,9 @@ class SGLangOptions:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static!r}")
         if not isinstance(self.engine_kwargs, dict) or not all(isinstance(k, str) for k in self.engine_kwargs):
             raise ValueError(f"engine_kwargs must be a mapping of argument names to values, got {self.engine_kwargs!r}")
+        unknown = sorted(set(self.sleep_tags) - {"kv_cache", "weights", "cuda_graph"})
+        if unknown or not self.sleep_tags:
+            raise ValueError(f"sleep_tags must be a non-empty subset of kv_cache, weights, cuda_graph; got {self.sleep_tags!r}")
         reserved = {"model_path", "tokenizer_path", "random_seed", "skip_tokenizer_init"}
         clash = sorted(reserved & set(self.engine_kwargs))
         if clash:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
 from skyrl_vllm import bootstrap
 from skyrl_vllm.mapping import check_request, to_samples, to_vllm_sampling_params
-from skyrl_vllm.model_dir import check_weights, checkpoint_shapes, materialize_model
+from skyrl_vllm.model_dir import check_weights, checkpoint_shapes, materialize_model, write_weights_file
 from skyrl_vllm.options import VLLMOptions
 
 if TYPE_CHECKING:
@@ -40,6 +40,25 @@ def _environ(**values: str) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _process_state() -> tuple[Any, ...]:
+    """What an in-process vLLM worker changes in the calling process: torch's thread count (and
+    ``torch.set_num_threads``, which it replaces by a no-op) and the CPU affinity."""
+    import torch
+
+    affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    return torch.set_num_threads, torch.get_num_threads(), affinity
+
+
+def _restore_process_state(state: tuple[Any, ...]) -> None:
+    import torch
+
+    set_num_threads, threads, affinity = state
+    torch.set_num_threads = set_num_threads
+    if affinity is not None:
+        os.sched_setaffinity(0, affinity)
+    torch.set_num_threads(threads)
 
 
 def engine_kwargs(options: VLLMOptions, *, dtype: str, on_cpu: bool, sleep_available: bool) -> dict[str, Any]:
@@ -80,6 +99,7 @@ class VLLMEngine:
         self.seed = seed
         self._llm: Any = None
         self._asleep = False
+        self._saved_process_state: tuple[Any, ...] | None = None
         problem = bootstrap.vllm_plugins_allowlist_problem()
         if problem is not None:
             raise ValueError(f"cannot start the vllm engine: {problem}")
@@ -112,9 +132,11 @@ class VLLMEngine:
             # vLLM caches its environment after an engine starts in this process; read it afresh.
             vllm_envs.disable_envs_cache()
             if not self.options.multiprocess:
-                # vLLM loads its plugins once per process; an earlier vLLM here may have done so
-                # without our marker, so run the (idempotent) bootstrap ourselves.
-                bootstrap.register()
+                self._saved_process_state = _process_state()
+            # This process is vLLM's front-end (and, in-process, its worker). vLLM loads plugins
+            # once per process, and an earlier vLLM here may have done so without our marker: run
+            # the (idempotent) bootstrap ourselves.
+            bootstrap.register()
             self._llm = vllm.LLM(model=model_dir, tokenizer=tokenizer_dir, seed=self.seed, **kwargs)
         # Declare the worker's ops now (right after its model is built) and check the extension works.
         self._attest()
@@ -144,7 +166,7 @@ class VLLMEngine:
         check_weights(tensors, self._weight_shapes)
         if self.options.multiprocess:
             # Tensors passed through collective_rpc arrive garbled in vLLM's worker process: send a file.
-            path = self._write_safetensors(tensors)
+            path = write_weights_file(tensors, self._workdir)
             try:
                 loaded = llm.collective_rpc("skyrl_load_weights", args=(path,))
             finally:
@@ -199,6 +221,9 @@ class VLLMEngine:
                 from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
                 cleanup_dist_env_and_memory()
+        if self._saved_process_state is not None:
+            _restore_process_state(self._saved_process_state)
+            self._saved_process_state = None
         if getattr(self, "_workdir", None):
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None
@@ -222,18 +247,3 @@ class VLLMEngine:
         if self._llm is None:
             raise RuntimeError("this vllm engine is closed")
         return list(self._llm.collective_rpc("skyrl_attest"))
-
-    def _write_safetensors(self, tensors: list[tuple[str, torch.Tensor]]) -> str:
-        from safetensors.torch import save_file
-
-        seen: set[int] = set()
-        state = {}
-        for name, tensor in tensors:
-            # safetensors refuses tensors that share storage (tied embeddings): copy repeats.
-            ptr = tensor.untyped_storage().data_ptr()
-            state[name] = tensor.clone() if ptr in seen else tensor
-            seen.add(ptr)
-        fd, path = tempfile.mkstemp(suffix=".safetensors", dir=self._workdir)
-        os.close(fd)
-        save_file(state, path)
-        return path

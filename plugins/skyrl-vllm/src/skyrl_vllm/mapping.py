@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import attrs
+
 from skyrl_core.types import GeneratedSample, GenerationRequest, SamplingParams
 
 if TYPE_CHECKING:
@@ -27,11 +29,13 @@ def to_vllm_sampling_params(sampling: SamplingParams) -> vllm.SamplingParams:
     ``logprobs=0`` asks for the sampled token's own logprob only; with the engine's
     ``logprobs_mode="raw_logprobs"`` it is taken before temperature and top-k/top-p, which is what
     ``GeneratedSample.logprobs`` promises. skyrl's ``top_k=0`` ("off") is vLLM's ``top_k=0`` too.
+    vLLM refuses ``n > 1`` with greedy decoding, whose samples are all the same: one is sampled and
+    ``to_samples`` repeats it.
     """
     import vllm
 
     return vllm.SamplingParams(
-        n=sampling.n,
+        n=1 if is_greedy(sampling) else sampling.n,
         temperature=sampling.temperature,
         top_p=sampling.top_p,
         top_k=sampling.top_k,
@@ -44,6 +48,11 @@ def to_vllm_sampling_params(sampling: SamplingParams) -> vllm.SamplingParams:
     )
 
 
+def is_greedy(sampling: SamplingParams) -> bool:
+    """Whether vLLM decodes greedily (its threshold: temperature below 1e-5)."""
+    return sampling.temperature < 1e-5
+
+
 def stop_reason(finish_reason: str | None, request_id: str) -> str:
     """vLLM's ``finish_reason`` as skyrl's ``stop_reason`` ("stop" | "length")."""
     if finish_reason in ("stop", "length"):
@@ -53,7 +62,7 @@ def stop_reason(finish_reason: str | None, request_id: str) -> str:
 
 def to_samples(request: GenerationRequest, output: Any) -> list[GeneratedSample]:
     """The ``n`` samples of one vLLM ``RequestOutput``, in sample-index order."""
-    samples = []
+    samples: list[GeneratedSample] = []
     for completion in sorted(output.outputs, key=lambda c: c.index):
         token_ids = tuple(int(t) for t in completion.token_ids)
         if completion.logprobs is None or len(completion.logprobs) != len(token_ids):
@@ -70,4 +79,6 @@ def to_samples(request: GenerationRequest, output: Any) -> list[GeneratedSample]
                 stop_reason=stop_reason(completion.finish_reason, request.request_id),
             )
         )
+    if is_greedy(request.sampling) and len(samples) == 1:
+        samples += [attrs.evolve(samples[0], sample_index=j) for j in range(1, request.sampling.n)]
     return samples

@@ -130,3 +130,23 @@ def check_weights(named: list[tuple[str, object]], shapes: dict[str, tuple[int, 
         got = tuple(tensor.shape)  # type: ignore[attr-defined]
         if got != expected:
             raise ValueError(f"update_weights: tensor {name!r} has shape {got}, the model's has shape {expected}")
+
+
+def write_weights_file(named: list[tuple[str, object]], directory: str) -> str:
+    """Write ``named`` CPU tensors to a new safetensors file in ``directory``; return its path.
+
+    This is how weights reach vLLM workers in other processes (tensors do not survive vLLM's RPC).
+    Tensors sharing storage (tied embeddings) are copied, since safetensors refuses shared storage.
+    """
+    from safetensors.torch import save_file
+
+    seen: set[int] = set()
+    state = {}
+    for name, tensor in named:
+        ptr = tensor.untyped_storage().data_ptr()  # type: ignore[attr-defined]
+        state[name] = tensor.clone() if ptr in seen else tensor  # type: ignore[attr-defined]
+        seen.add(ptr)
+    fd, path = tempfile.mkstemp(suffix=".safetensors", dir=directory)
+    os.close(fd)
+    save_file(state, path)
+    return path

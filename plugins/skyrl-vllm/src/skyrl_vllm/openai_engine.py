@@ -21,8 +21,10 @@ import shutil
 import tempfile
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
+import attrs
+
 from skyrl_core.types import GeneratedSample, GenerationRequest, SamplingParams
-from skyrl_vllm.mapping import check_request, stop_reason
+from skyrl_vllm.mapping import check_request, is_greedy, stop_reason
 from skyrl_vllm.options import OpenAIOptions
 
 if TYPE_CHECKING:
@@ -36,12 +38,13 @@ TOKEN_ID_PREFIX = "token_id:"
 
 
 def completion_body(model_name: str, request: GenerationRequest) -> dict[str, Any]:
-    """The JSON body of ``POST /v1/completions`` for one request (all ``n`` samples)."""
+    """The JSON body of ``POST /v1/completions`` for one request (all ``n`` samples; one when greedy,
+    since vLLM refuses ``n > 1`` then and ``samples_from_response`` repeats it)."""
     s: SamplingParams = request.sampling
     body: dict[str, Any] = {
         "model": model_name,
         "prompt": list(request.prompt_token_ids),
-        "n": s.n,
+        "n": 1 if is_greedy(s) else s.n,
         "max_tokens": s.max_tokens,
         "temperature": s.temperature,
         "top_p": s.top_p,
@@ -95,6 +98,8 @@ def samples_from_response(request: GenerationRequest, response: dict[str, Any]) 
                 stop_reason=stop_reason(choice.get("finish_reason"), request.request_id),
             )
         )
+    if is_greedy(request.sampling) and len(samples) == 1:
+        samples += [attrs.evolve(samples[0], sample_index=j) for j in range(1, request.sampling.n)]
     if len(samples) != request.sampling.n:
         raise RuntimeError(f"request {request.request_id!r}: asked for {request.sampling.n} samples, got {len(samples)}")
     return samples
@@ -129,12 +134,13 @@ class OpenAIEngine:
     def _launch(self, model: ModelConfig) -> None:
         from vllm.platforms import current_platform
 
-        from skyrl_vllm.model_dir import materialize_model
+        from skyrl_vllm.model_dir import checkpoint_shapes, materialize_model
         from skyrl_vllm.vllm_server import SERVED_MODEL_NAME, VLLMServer, free_port, serve_command
 
         self.sleep_supported = bool(current_platform.is_sleep_mode_available())
         self._workdir = tempfile.mkdtemp(prefix="skyrl-vllm-serve-")
         model_dir, tokenizer_dir = materialize_model(model, seed=self.seed, parent_dir=self._workdir)
+        self._weight_shapes = checkpoint_shapes(model_dir)
         vopts = self.options.vllm
         cmd = serve_command(
             model_dir,
@@ -169,26 +175,19 @@ class OpenAIEngine:
                 f"the openai engine cannot update weights of the server at {self.root_url}: only a server it "
                 "launched itself (options.launch: true) accepts weights"
             )
-        from safetensors.torch import save_file
+        from skyrl_vllm.model_dir import check_weights, write_weights_file
 
-        tensors = {}
-        seen: set[int] = set()
-        for name, t in named_tensors:
-            t = t.detach().to("cpu").contiguous()
-            ptr = t.untyped_storage().data_ptr()
-            tensors[name] = t.clone() if ptr in seen else t  # safetensors refuses shared storage
-            seen.add(ptr)
-        if not tensors:
+        named = [(name, t.detach().to("cpu").contiguous()) for name, t in named_tensors]
+        if not named:
             raise ValueError("update_weights got no tensors")
-        fd, path = tempfile.mkstemp(suffix=".safetensors", dir=self._workdir)
-        os.close(fd)
+        check_weights(named, self._weight_shapes)
+        path = write_weights_file(named, self._workdir)
         try:
-            save_file(tensors, path)
             loaded = self._rpc("skyrl_load_weights", path)
         finally:
             os.remove(path)
-        if any(int(n) != len(tensors) for n in loaded):
-            raise RuntimeError(f"vLLM workers loaded {loaded} tensors, expected {len(tensors)}")
+        if any(int(n) != len(named) for n in loaded):
+            raise RuntimeError(f"vLLM workers loaded {loaded} tensors, expected {len(named)}")
         self._post("/reset_prefix_cache")
 
     def execution_contract(self) -> dict[str, Any]:

