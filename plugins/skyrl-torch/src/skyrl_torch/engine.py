@@ -29,7 +29,7 @@ from skyrl_core.models import load_causal_lm, load_tokenizer
 from skyrl_core.ops import prepare_model, site_scope, token_logprobs
 from skyrl_core.types import GeneratedSample, GenerationRequest
 from skyrl_torch.kv_cache import SlotKVCache
-from skyrl_torch.native_decoder import NativeDecoder, unsupported_reason
+from skyrl_torch.native_decoder import NativeDecoder, onednn_available, unsupported_reason
 from skyrl_torch.options import TorchEngineOptions
 from skyrl_torch.sampling import RowSampling, choose_tokens, sample_seed
 
@@ -129,6 +129,7 @@ class TorchEngine:
             "ledger": self.ledger.as_dict(),
             "model_dtype": str(self.model.dtype).removeprefix("torch."),
             "implementation": "native" if self.native is not None else "transformers",
+            "gemm": self.native.gemm if self.native is not None else "torch",
             "torch": torch.__version__,
         }
 
@@ -380,7 +381,8 @@ class TorchEngine:
         if reason is None and not _stock_ops(self.ledger):
             reason = "an op plugin installed non-stock ops (they patch the transformers modules)"
         if reason is None:
-            return NativeDecoder(self.model)
+            use_onednn = self.options.cpu_gemm == "onednn" and self.options.device == "cpu" and onednn_available()
+            return NativeDecoder(self.model, gemm="onednn" if use_onednn else "torch")
         if choice == "native":
             raise ValueError(f"engine option implementation='native' is not possible for this model: {reason}")
         return None

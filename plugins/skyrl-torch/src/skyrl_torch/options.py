@@ -8,6 +8,7 @@ import attrs
 
 ATTENTION_KINDS = ("model", "sdpa", "eager")
 IMPLEMENTATIONS = ("auto", "native", "transformers")
+CPU_GEMMS = ("onednn", "torch")
 DEVICES = ("cpu", "cuda")
 
 
@@ -63,6 +64,14 @@ class TorchEngineOptions:
             "help": "native: a lean forward for Llama/Mistral/Qwen2/Qwen3 over the model's weights; transformers: "
             "the model's own modules (any causal LM; required when an op plugin such as IsoExec installs ops); "
             "auto: native when possible"
+        },
+    )
+    cpu_gemm: str = attrs.field(
+        default="onednn",
+        validator=_one_of(*CPU_GEMMS),
+        metadata={
+            "help": "matrix products of the native implementation on CPU: onednn (fp32, often several times faster "
+            "than torch's BLAS at decode batch sizes) or torch (F.linear); falls back to torch without oneDNN"
         },
     )
     attention: str = attrs.field(
