@@ -154,3 +154,17 @@ def test_registered_without_importing_torch_or_megatron(builtin_plugin_manager):
     spec = new_plugin_manager().spec("training_backend", "megatron")
     assert spec.factory == "skyrl_megatron.backend:MegatronBackend"
     assert spec.load_options_class() is MegatronOptions
+
+
+def test_moe_under_tensor_parallelism_on_cpu_is_refused_with_the_reason():
+    import torch
+
+    from skyrl_core.models import build_hf_config
+    from skyrl_megatron.layout import layout_from_hf_config
+    from skyrl_megatron.model import build_gpt_model
+
+    from megatron_test_models import TINY_QWEN3_MOE
+
+    layout = layout_from_hf_config(build_hf_config(dict(TINY_QWEN3_MOE)))
+    with pytest.raises(ValueError, match="qwen3_moe with tensor_parallel=2 is not supported on CPU: .*sequence parallelism"):
+        build_gpt_model(layout, tensor_parallel=2, params_dtype=torch.float32, use_transformer_engine=False, on_cpu=True)

@@ -9,7 +9,7 @@ from skyrl_core.testing.backend_contract import assert_weights_bitwise_equal, bi
 from skyrl_megatron.convert import hf_to_megatron, megatron_to_hf
 from skyrl_megatron.layout import layout_from_hf_config
 
-from megatron_test_models import TINY_LLAMA, TINY_QWEN3
+from megatron_test_models import TINY_LLAMA, TINY_QWEN3, TINY_QWEN3_MOE
 
 # Vocabulary 510 is not divisible by 4: the shards are padded with zero rows.
 ODD_VOCAB_QWEN3 = {**TINY_QWEN3, "vocab_size": 510, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 16}
@@ -22,8 +22,14 @@ def hf_state(config: dict) -> tuple[dict[str, torch.Tensor], object]:
 
 @pytest.mark.parametrize(
     ("config", "tp"),
-    [(TINY_QWEN3, 1), (TINY_QWEN3, 2), (TINY_LLAMA, 1), (TINY_LLAMA, 2), (ODD_VOCAB_QWEN3, 2), (ODD_VOCAB_QWEN3, 4)],
-    ids=["qwen3-tied-tp1", "qwen3-tied-tp2", "llama-untied-tp1", "llama-untied-tp2", "qwen3-vocab510-tp2", "qwen3-vocab510-tp4"],
+    [
+        (TINY_QWEN3, 1), (TINY_QWEN3, 2), (TINY_LLAMA, 1), (TINY_LLAMA, 2),
+        (ODD_VOCAB_QWEN3, 2), (ODD_VOCAB_QWEN3, 4), (TINY_QWEN3_MOE, 1), (TINY_QWEN3_MOE, 2),
+    ],
+    ids=[
+        "qwen3-tied-tp1", "qwen3-tied-tp2", "llama-untied-tp1", "llama-untied-tp2",
+        "qwen3-vocab510-tp2", "qwen3-vocab510-tp4", "qwen3-moe-tp1", "qwen3-moe-tp2",
+    ],
 )
 def test_round_trip_is_bit_exact(config, tp):
     hf, layout = hf_state(config)
@@ -85,10 +91,22 @@ def test_transformer_engine_names_put_norms_inside_the_linears():
     assert_weights_bitwise_equal(megatron_to_hf([shard], layout, fused_norms=True), hf)
 
 
+def test_experts_hold_their_gate_and_up_rows_and_the_router_its_weight():
+    hf, layout = hf_state(TINY_QWEN3_MOE)
+    gate_up = hf["model.layers.1.mlp.experts.gate_up_proj"]  # [experts, 2 * 32, 64]: gate rows, then up rows
+    shard = hf_to_megatron(hf, layout, tp_rank=1, tp_size=2)
+    fc1 = shard["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"]
+    assert torch.equal(fc1[:16], gate_up[3, 16:32]) and torch.equal(fc1[16:], gate_up[3, 48:])
+    down = hf["model.layers.1.mlp.experts.down_proj"]
+    assert torch.equal(shard["decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight"], down[3][:, 16:])
+    assert torch.equal(shard["decoder.layers.1.mlp.router.weight"], hf["model.layers.1.mlp.gate.weight"])
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"model_type": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 32}, "model_type 'qwen3_moe' is not supported"),
+        ({"model_type": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 32, "mlp_only_layers": [1]}, "dense layers between expert layers"),
+        ({"model_type": "qwen3_next"}, "model_type 'qwen3_next' is not supported"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
         ({"attention_bias": True}, "attention_bias=True"),
         ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope type 'linear'"),

@@ -44,6 +44,12 @@ def _pad_vocab(t: torch.Tensor, padded: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(padded - t.shape[0], *t.shape[1:])])
 
 
+def _gate_then_up(shards: Sequence[Mapping[str, torch.Tensor]], name: str) -> torch.Tensor:
+    """The full ``[gate; up]`` rows of a SwiGLU ``linear_fc1`` whose shards each hold ``[gate_r; up_r]``."""
+    halves = [s[name].chunk(2, dim=0) for s in shards]
+    return torch.cat([g for g, _ in halves] + [u for _, u in halves])
+
+
 def hf_to_megatron(
     hf: Mapping[str, torch.Tensor], layout: GPTLayout, *, tp_rank: int, tp_size: int, fused_norms: bool = False
 ) -> dict[str, torch.Tensor]:
@@ -70,10 +76,19 @@ def hf_to_megatron(
             out[dst + "self_attention.k_layernorm.weight"] = hf[src + "self_attn.k_norm.weight"]
         out[dst + "self_attention.linear_proj.weight"] = _cols(hf[src + "self_attn.o_proj.weight"], r, tp)
         out[dst + mlp_norm] = hf[src + "post_attention_layernorm.weight"]
-        gate = _rows(hf[src + "mlp.gate_proj.weight"], r, tp)
-        up = _rows(hf[src + "mlp.up_proj.weight"], r, tp)
-        out[dst + "mlp.linear_fc1.weight"] = torch.cat([gate, up])
-        out[dst + "mlp.linear_fc2.weight"] = _cols(hf[src + "mlp.down_proj.weight"], r, tp)
+        if layout.is_moe:
+            out[dst + "mlp.router.weight"] = hf[src + "mlp.gate.weight"]
+            gate_up, down = hf[src + "mlp.experts.gate_up_proj"], hf[src + "mlp.experts.down_proj"]
+            f = layout.moe_ffn_hidden_size
+            for e in range(layout.num_experts):
+                expert = f"{dst}mlp.experts.local_experts.{e}."
+                out[expert + "linear_fc1.weight"] = torch.cat([_rows(gate_up[e, :f], r, tp), _rows(gate_up[e, f:], r, tp)])
+                out[expert + "linear_fc2.weight"] = _cols(down[e], r, tp)
+        else:
+            gate = _rows(hf[src + "mlp.gate_proj.weight"], r, tp)
+            up = _rows(hf[src + "mlp.up_proj.weight"], r, tp)
+            out[dst + "mlp.linear_fc1.weight"] = torch.cat([gate, up])
+            out[dst + "mlp.linear_fc2.weight"] = _cols(hf[src + "mlp.down_proj.weight"], r, tp)
     out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
     if not layout.tied_embeddings:
         out["output_layer.weight"] = _rows(_pad_vocab(hf["lm_head.weight"], padded), r, tp)
@@ -112,10 +127,17 @@ def megatron_to_hf(
         if layout.qk_norm:
             out[dst + "self_attn.q_norm.weight"] = first[src + "self_attention.q_layernorm.weight"]
             out[dst + "self_attn.k_norm.weight"] = first[src + "self_attention.k_layernorm.weight"]
-        gate_up = [s[src + "mlp.linear_fc1.weight"].chunk(2, dim=0) for s in shards]
-        out[dst + "mlp.gate_proj.weight"] = torch.cat([g for g, _ in gate_up])
-        out[dst + "mlp.up_proj.weight"] = torch.cat([u for _, u in gate_up])
-        out[dst + "mlp.down_proj.weight"] = cols(src + "mlp.linear_fc2.weight")
+        if layout.is_moe:
+            experts = [f"{src}mlp.experts.local_experts.{e}." for e in range(layout.num_experts)]
+            out[dst + "mlp.experts.gate_up_proj"] = torch.stack([_gate_then_up(shards, e + "linear_fc1.weight") for e in experts])
+            out[dst + "mlp.experts.down_proj"] = torch.stack([cols(e + "linear_fc2.weight") for e in experts])
+            out[dst + "mlp.gate.weight"] = first[src + "mlp.router.weight"]
+        else:
+            gate_up = _gate_then_up(shards, src + "mlp.linear_fc1.weight")
+            gate, up = gate_up.chunk(2, dim=0)
+            out[dst + "mlp.gate_proj.weight"] = gate
+            out[dst + "mlp.up_proj.weight"] = up
+            out[dst + "mlp.down_proj.weight"] = cols(src + "mlp.linear_fc2.weight")
         out[dst + "input_layernorm.weight"] = first[src + in_norm]
         out[dst + "post_attention_layernorm.weight"] = first[src + mlp_norm]
     out["model.norm.weight"] = first["decoder.final_layernorm.weight"]

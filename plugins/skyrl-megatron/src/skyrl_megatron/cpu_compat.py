@@ -101,6 +101,20 @@ def _rotary_emb_on_cpu(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
     return emb[:, None, None, :]
 
 
+def _router_gating_on_cpu(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - megatron's name
+    """``Router.gating`` on the CPU: the router logits in the routing dtype.
+
+    Replaces: ``Router.gating``, which moves ``weight``/``bias`` to ``torch.cuda.current_device()``
+    whenever they are on the CPU, then calls ``moe_utils.router_gating_linear``, whose autograd
+    function names Transformer Engine's ``te_general_gemm`` unguarded (a NameError without TE).
+    Why: MoE layers route every token through it. Here: the same linear in the routing dtype
+    (``moe_router_dtype``, else the input's), with plain torch autograd.
+    """
+    router_dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
+    bias = None if self.bias is None else self.bias.to(router_dtype)
+    return torch.nn.functional.linear(input.to(router_dtype), self.weight.to(router_dtype), bias)
+
+
 def apply(seed: int) -> None:
     """Install the CPU redirections (idempotent) and seed the RNG tracker like
     ``tensor_parallel.model_parallel_cuda_manual_seed`` would (which calls ``torch.cuda.manual_seed``).
@@ -111,9 +125,11 @@ def apply(seed: int) -> None:
     from megatron.core import parallel_state
     from megatron.core.models.common.embeddings import rotary_pos_embedding
     from megatron.core.tensor_parallel import random as mp_random
+    from megatron.core.transformer.moe import router
 
     if not _applied:
         rotary_pos_embedding.RotaryEmbedding.get_emb = _rotary_emb_on_cpu
+        router.Router.gating = _router_gating_on_cpu
         _applied = True
     # initialize_model_parallel created a CUDA GlobalMemoryBuffer; swap in the CPU one.
     parallel_state._GLOBAL_MEMORY_BUFFER = CpuMemoryBuffer()

@@ -1,9 +1,10 @@
 """The shape of a Hugging Face decoder as Megatron sees it: ``GPTLayout`` from a transformers config.
 
-Supported: Llama and Qwen3 dense (``model_type`` ``llama`` / ``qwen3``), which Megatron's GPT
-block expresses exactly: pre-norm RMSNorm, rotary embeddings (non-interleaved), grouped-query
-attention (with per-head q/k RMSNorm for Qwen3), SwiGLU MLP, optional tied embeddings. Everything
-else is refused with the reason, rather than converted into a subtly different model.
+Supported: Llama, Qwen3 dense and Qwen3-MoE (``model_type`` ``llama`` / ``qwen3`` / ``qwen3_moe``),
+which Megatron's GPT block expresses exactly: pre-norm RMSNorm, rotary embeddings (non-interleaved),
+grouped-query attention (with per-head q/k RMSNorm for Qwen3), SwiGLU MLP or top-k routed SwiGLU
+experts (every layer), optional tied embeddings. Everything else is refused with the reason,
+rather than converted into a subtly different model.
 
 Light module: no torch, no megatron at import time.
 """
@@ -14,7 +15,7 @@ from typing import Any
 
 import attrs
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe")
 
 
 @attrs.frozen(kw_only=True)
@@ -34,6 +35,15 @@ class GPTLayout:
     max_position_embeddings: int
     qk_norm: bool
     tied_embeddings: bool
+    # Mixture of experts (0 experts: a dense MLP in every layer).
+    num_experts: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_top_k: int = 0
+    moe_renormalize: bool = False  # top-k probabilities renormalised to sum to 1 (norm_topk_prob)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def heads_per_group(self) -> int:
@@ -45,11 +55,9 @@ class GPTLayout:
         return -(-self.vocab_size // tensor_parallel) * tensor_parallel
 
     def check_tensor_parallel(self, tensor_parallel: int) -> None:
-        for what, size in (
-            ("num_attention_heads", self.num_heads),
-            ("num_key_value_heads", self.num_kv_heads),
-            ("intermediate_size", self.ffn_hidden_size),
-        ):
+        sizes = [("num_attention_heads", self.num_heads), ("num_key_value_heads", self.num_kv_heads)]
+        sizes.append(("moe_intermediate_size", self.moe_ffn_hidden_size) if self.is_moe else ("intermediate_size", self.ffn_hidden_size))
+        for what, size in sizes:
             if size % tensor_parallel:
                 raise ValueError(
                     f"tensor_parallel={tensor_parallel} does not divide the model's {what} ({size}); "
@@ -86,8 +94,21 @@ def layout_from_hf_config(hf_config: Any) -> GPTLayout:
     for flag in ("attention_bias", "mlp_bias"):
         if getattr(hf_config, flag, False):
             raise ValueError(f"{flag}=True is not supported by the megatron backend (bias-free linears only)")
-    if model_type == "qwen3" and getattr(hf_config, "use_sliding_window", False):
+    if model_type.startswith("qwen3") and getattr(hf_config, "use_sliding_window", False):
         raise ValueError("sliding-window attention is not supported by the megatron backend")
+    moe: dict[str, Any] = {}
+    if model_type == "qwen3_moe":
+        if getattr(hf_config, "decoder_sparse_step", 1) != 1 or list(getattr(hf_config, "mlp_only_layers", None) or []):
+            raise ValueError(
+                "Qwen3-MoE with dense layers between expert layers (decoder_sparse_step != 1 or mlp_only_layers) "
+                "is not supported by the megatron backend; supported: experts in every layer"
+            )
+        moe = dict(
+            num_experts=int(hf_config.num_experts),
+            moe_ffn_hidden_size=int(hf_config.moe_intermediate_size),
+            moe_top_k=int(hf_config.num_experts_per_tok),
+            moe_renormalize=bool(hf_config.norm_topk_prob),
+        )
     num_heads = int(hf_config.num_attention_heads)
     hidden = int(hf_config.hidden_size)
     head_dim = getattr(hf_config, "head_dim", None) or hidden // num_heads
@@ -103,6 +124,7 @@ def layout_from_hf_config(hf_config: Any) -> GPTLayout:
         norm_eps=float(hf_config.rms_norm_eps),
         rope_theta=_rope_theta(hf_config),
         max_position_embeddings=int(hf_config.max_position_embeddings),
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type.startswith("qwen3"),
         tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        **moe,
     )

@@ -27,6 +27,31 @@ def build_gpt_model(
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     layout.check_tensor_parallel(tensor_parallel)
+    moe: dict = {}
+    if layout.is_moe:
+        if tensor_parallel > 1 and on_cpu:
+            raise ValueError(
+                f"{layout.model_type} with tensor_parallel={tensor_parallel} is not supported on CPU: megatron-core "
+                "trains MoE layers under tensor parallelism only with sequence parallelism, whose collectives "
+                "allocate on CUDA; use tensor_parallel=1 (data parallelism via world_size) on CPU"
+            )
+        moe = dict(
+            # MoE under tensor parallelism requires sequence parallelism in megatron-core.
+            sequence_parallel=tensor_parallel > 1,
+            num_moe_experts=layout.num_experts,
+            moe_ffn_hidden_size=layout.moe_ffn_hidden_size,
+            moe_router_topk=layout.moe_top_k,
+            # Qwen3-MoE: softmax over all experts, then top-k (renormalised when norm_topk_prob).
+            # Megatron's default (softmax over the top-k logits) is that renormalised form.
+            moe_router_pre_softmax=not layout.moe_renormalize,
+            moe_router_score_function="softmax",
+            moe_router_dtype="fp32",
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_grouped_gemm=False,
+            # The all-to-all dispatcher allocates CUDA streams when built; all-gather runs on CPU.
+            moe_token_dispatcher_type="allgather" if on_cpu else "alltoall",
+        )
     config = TransformerConfig(
         num_layers=layout.num_layers,
         hidden_size=layout.hidden_size,
@@ -54,11 +79,16 @@ def build_gpt_model(
         # Gradients of data-parallel replicas are summed, not averaged (megatron's DDP wrapper
         # reads this): each replica's loss is already its share of the whole batch's loss.
         calculate_per_token_loss=True,
+        **moe,
     )
     if use_transformer_engine:
-        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=layout.qk_norm)
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=layout.num_experts or None, moe_grouped_gemm=False, qk_layernorm=layout.qk_norm
+        )
     else:
-        spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=layout.qk_norm, normalization="RMSNorm")
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(
+            num_experts=layout.num_experts or None, moe_grouped_gemm=False, qk_layernorm=layout.qk_norm, normalization="RMSNorm"
+        )
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,
