@@ -119,3 +119,12 @@ def test_hooks_through_the_plugin_manager():
         from skyrl_core.ops.install import DEFAULT_IMPLS
 
         assert pm.hook.skyrl_install_op(op="linear", site="engine_decode", impl=DEFAULT_IMPLS["linear"]).name == "torch.linear"
+
+
+def test_enabled_after_the_runtimes_were_built_refuses():
+    """IsoExec switched on (e.g. by the run config) after a runtime prepared stock ops: fail closed."""
+    trainer, _, _, _ = _contracts(enabled=True)
+    _, _, _, engine_ledger = _contracts(enabled=False)
+    stale = build_contract("engine", engine_ledger.as_dict(), enabled=True)
+    assert any("IsoExec is on but linear has torch.linear installed" in p for p in stale["fingerprint"])
+    assert compare(trainer, stale)

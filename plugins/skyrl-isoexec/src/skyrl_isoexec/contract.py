@@ -109,12 +109,23 @@ def build_contract(role: str, ledger: dict[str, Any] | None, *, enabled: bool) -
     }
     if not all(str(v.get("impl", "")).startswith("isoexec.") for v in ops.values()):
         identity["threads"] = torch.get_num_threads()  # stock GEMMs change bits with the thread count
+    problems: list[str] = []
+    if enabled:
+        from skyrl_isoexec.specs import CANONICAL
+
+        problems = [
+            f"{role}: IsoExec is on but {key} has {ident.get('impl')} installed "
+            "(was the runtime built before IsoExec was enabled?)"
+            for key, ident in sorted(ops.items())
+            if ident.get("impl") != CANONICAL[key.split("@")[0]].name
+        ]
+        problems += fingerprint_violations(role, ledger)
     return {
         "enabled": enabled,
         "role": role,
         "identity": identity,
         "hash": sha256(identity),
-        "fingerprint": fingerprint_violations(role, ledger) if enabled else [],
+        "fingerprint": problems,
     }
 
 

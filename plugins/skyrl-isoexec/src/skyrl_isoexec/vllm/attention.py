@@ -14,7 +14,7 @@ reductions differ from the trainer's. ``IsoExecCPUBackend`` replaces ``CPU_ATTN`
 The canonical kernel reduces over exactly the visible keys in fixed blocks aligned at the
 sequence start, so a token's output is the same whether it was computed in a prefill, a chunk of
 one, a decode step, with a cached prefix, or in the trainer's full forward over a padded batch.
-The metadata builder also names the step's site for the ledger (``runtime.set_site``).
+The metadata builder also names the step's ledger and site (``runtime.begin_step``).
 """
 
 from __future__ import annotations
@@ -46,11 +46,11 @@ class IsoExecAttentionMetadata:
     slot_mapping: torch.Tensor  # [tokens]
 
 
-def build_metadata(common) -> IsoExecAttentionMetadata:
+def build_metadata(common, ledger) -> IsoExecAttentionMetadata:
     """The step's metadata from vLLM's ``CommonAttentionMetadata``; names the step's site."""
     if isinstance(common.causal, torch.Tensor) or not common.causal:
         raise ValueError("IsoExec: only causal decoder attention has a canonical op")
-    runtime.set_site("engine_decode" if common.max_query_len == 1 else "engine_prefill")
+    runtime.begin_step(ledger, "engine_decode" if common.max_query_len == 1 else "engine_prefill")
     return IsoExecAttentionMetadata(
         num_actual_tokens=int(common.num_actual_tokens),
         num_reqs=int(common.num_reqs),
@@ -119,11 +119,13 @@ class IsoExecCPUMetadataBuilder(CPUAttentionMetadataBuilder):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._isoexec = runtime.active()
+        # Built right after this engine's model: its ledger receives the calls of every step.
+        self._isoexec_ledger = runtime.ledger() if self._isoexec else None
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
         if not self._isoexec:
             return super().build(common_prefix_len, common_attn_metadata, fast_build)
-        return build_metadata(common_attn_metadata)
+        return build_metadata(common_attn_metadata, self._isoexec_ledger)
 
 
 class IsoExecCPUAttentionImpl(CPUAttentionBackendImpl):
@@ -155,7 +157,7 @@ class IsoExecCPUAttentionImpl(CPUAttentionBackendImpl):
             return output
         if output_scale is not None or output_block_scale is not None:
             raise ValueError("IsoExec: fused output quantization has no canonical op")
-        runtime.observe("attention")
+        runtime.observe("attention", layer)
         attend(query, kv_cache, attn_metadata, self.scale, output)
         return output
 

@@ -88,11 +88,13 @@ def allowlist_problem() -> str | None:
     )
 
 
-def inspect_model(model: Any) -> tuple[dict[str, int], list[str]]:
-    """``(op_modules, unpatched)`` of a model built by vLLM with IsoExec on.
+def inspect_model(model: Any) -> tuple[dict[str, int], list[str], list[str]]:
+    """``(op_modules, patched, unpatched)`` of a model built by vLLM with IsoExec on.
 
-    ``op_modules`` counts the modules computing each op canonically; ``unpatched`` names every
-    module that computes something (an op class, or parameters) without a canonical implementation.
+    ``op_modules`` counts the modules computing each op canonically; ``patched`` names them (each
+    is given its name as ``_isoexec_name``, under which it records its calls, so the ledger shows
+    which ones ran at each site); ``unpatched`` names every module that computes something (an op
+    class, or parameters) without a canonical implementation.
     """
     from vllm.model_executor.custom_op import CustomOp, PluggableLayer
     from vllm.model_executor.layers.attention import Attention
@@ -104,11 +106,14 @@ def inspect_model(model: Any) -> tuple[dict[str, int], list[str]]:
     from skyrl_isoexec.vllm.layers import IsoExecRMSNorm, IsoExecRotaryEmbedding, IsoExecSiluAndMul
 
     counts: dict[str, int] = {}
+    patched: list[str] = []
     unpatched: list[str] = []
     inside_rope: list[str] = []  # a canonical rotary module's own helpers are never called
 
     def count(op: str) -> None:
         counts[op] = counts.get(op, 0) + 1
+        module._isoexec_name = qualname
+        patched.append(qualname)
 
     for qualname, module in model.named_modules():
         name = f"{qualname or '<model>'} ({type(module).__name__})"
@@ -144,4 +149,4 @@ def inspect_model(model: Any) -> tuple[dict[str, int], list[str]]:
             unpatched.append(name)
         elif any(True for _ in module.parameters(recurse=False)):
             unpatched.append(name)
-    return dict(sorted(counts.items())), unpatched
+    return dict(sorted(counts.items())), sorted(patched), unpatched

@@ -81,9 +81,9 @@ def _wrap_load_model(original: Callable[..., Any]) -> Callable[..., Any]:
             _refuse_config(self.vllm_config)
             runtime.new_ledger()
         result = original(self, *args, **kwargs)
-        runtime.mark_model_built(active)
+        sampler.mark(self.sampler, active)
         if active:
-            op_modules, unpatched = checks.inspect_model(self.model)
+            op_modules, patched, unpatched = checks.inspect_model(self.model)
             if unpatched:
                 raise checks.IsoExecRefusal(
                     [f"these modules of {type(self.model).__name__} have no canonical op inside vLLM: {', '.join(unpatched)}"]
@@ -93,6 +93,7 @@ def _wrap_load_model(original: Callable[..., Any]) -> Callable[..., Any]:
                 architecture=type(self.model).__name__,
                 dtype=str(self.vllm_config.model_config.dtype).removeprefix("torch."),
                 op_modules=op_modules,
+                patched_modules=patched,
                 unpatched=[],
                 installed=dict(_installed),
             )

@@ -34,7 +34,7 @@ class IsoExecRMSNorm(RMSNorm):
             return super().forward(x, residual)
         if self.variance_size_override is not None:
             raise ValueError("IsoExec: RMSNorm over a partial hidden size (var_hidden_size) has no canonical op")
-        runtime.observe("rms_norm")
+        runtime.observe("rms_norm", self)
         weight = self.weight if self.has_weight else torch.ones_like(self.weight)
         if residual is None:
             return elementwise.rms_norm(x, weight, float(self.variance_epsilon))
@@ -50,7 +50,7 @@ class IsoExecSiluAndMul(SiluAndMul):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self._isoexec:
             return super().forward(x)
-        runtime.observe("silu_mul")
+        runtime.observe("silu_mul", self)
         d = x.shape[-1] // 2
         return elementwise.silu_mul(x[..., :d], x[..., d:])
 
@@ -86,7 +86,7 @@ class IsoExecRotaryEmbedding(RotaryEmbedding):
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None):
         if not self._isoexec:
             return super().forward(positions, query, key)
-        runtime.observe("rope")
+        runtime.observe("rope", self)
         positions = positions.flatten()
         cos, sin = elementwise.rope(self._isoexec_inv_freq, 1.0, positions, query.dtype)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, rotary_dim]: broadcast over heads

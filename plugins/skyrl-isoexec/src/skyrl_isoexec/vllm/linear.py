@@ -45,8 +45,17 @@ def _check_dtype(layer: torch.nn.Module) -> None:
         raise ValueError(f"IsoExec: {type(layer).__name__} has {dtype} weights; canonical GEMMs run in {allowed}")
 
 
+def _built_canonical(layer: torch.nn.Module) -> bool:
+    """Whether ``layer`` is canonical: decided at its first weight processing (during the model's
+    load, when IsoExec's state is the engine's), kept for in-place reloads whatever the state then."""
+    decided = getattr(layer, "_isoexec_built", None)
+    if decided is None:
+        decided = layer._isoexec_built = runtime.active()
+    return decided
+
+
 def linear_process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-    if not runtime.active():
+    if not _built_canonical(layer):
         return _originals[(_LINEAR, "process_weights_after_loading")](self, layer)
     _check_dtype(layer)
     layer._isoexec_pieces = _linear_pieces(layer)
@@ -56,7 +65,7 @@ def linear_apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tens
     pieces = getattr(layer, "_isoexec_pieces", None)
     if pieces is None:
         return _originals[(_LINEAR, "apply")](self, layer, x, bias)
-    runtime.observe("linear")
+    runtime.observe("linear", layer)
     weight = layer.weight
     if len(pieces) == 1:
         return canonical.linear(x, weight, bias)
@@ -69,7 +78,7 @@ def linear_apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tens
 
 
 def embedding_process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-    if not runtime.active():
+    if not _built_canonical(layer):
         return _originals[(_EMBEDDING, "process_weights_after_loading")](self, layer)
     _check_dtype(layer)
     layer._isoexec_vocab = int(getattr(layer, "org_vocab_size", layer.weight.shape[0]))
@@ -79,7 +88,7 @@ def lm_head_apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Ten
     vocab = getattr(layer, "_isoexec_vocab", None)
     if vocab is None:
         return _originals[(_EMBEDDING, "apply")](self, layer, x, bias)
-    runtime.observe("linear")
+    runtime.observe("linear", layer)
     weight = layer.weight
     padded = int(weight.shape[0])
     logits = canonical.linear(x, weight.narrow(0, 0, vocab), None if bias is None else bias.narrow(0, 0, vocab))
@@ -91,7 +100,7 @@ def lm_head_apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Ten
 def embedding_lookup(self, layer: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     if getattr(layer, "_isoexec_vocab", None) is None:
         return _originals[(_EMBEDDING, "embedding")](self, layer, ids)
-    runtime.observe("embedding")
+    runtime.observe("embedding", layer)
     return elementwise.embedding(ids, layer.weight)
 
 

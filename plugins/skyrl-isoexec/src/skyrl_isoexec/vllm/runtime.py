@@ -1,10 +1,12 @@
-"""Per-process state of IsoExec inside a vLLM process: this worker's op ledger and current site.
+"""Per-process state of IsoExec inside a vLLM process: the op ledger of the model being loaded,
+and the ledger and site of the step being computed.
 
 vLLM computes one forward per scheduler step over a mix of requests; the attention metadata
-builder (``attention.IsoExecMetadataBuilder``) runs before each forward and names its site:
-``engine_decode`` when every request contributes one query token, ``engine_prefill`` otherwise.
-Every canonical op called inside vLLM records itself at that site in the worker's ledger, which
-the worker's attestation RPC returns (the fingerprint of what ran).
+builder of the engine (``attention.IsoExecCPUMetadataBuilder``) runs before each forward and
+names its ledger and site: ``engine_decode`` when every request contributes one query token,
+``engine_prefill`` otherwise. Every canonical op called in that step, the sampler's included,
+records itself there; the worker's attestation RPC returns that ledger (the fingerprint of what
+ran). An in-process engine shares its process with others, hence a ledger per loaded model.
 """
 
 from __future__ import annotations
@@ -14,9 +16,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from skyrl_core.ops import OpLedger
 
-_ledger: OpLedger | None = None
-_site: str | None = None
-_model_built_active: bool = False
+_ledger: OpLedger | None = None  # of the model being (or last) loaded
+_step: tuple[OpLedger, str] | None = None  # (ledger, site) of the step being computed
 
 
 def active() -> bool:
@@ -37,35 +38,27 @@ def ledger() -> OpLedger:
 
 
 def new_ledger() -> OpLedger:
-    """Start a fresh ledger (a new model was loaded in this process)."""
-    global _ledger, _site
-    _ledger, _site = None, None
+    """Start the ledger of a model about to be loaded in this process."""
+    global _ledger
+    _ledger = None
     return ledger()
 
 
-def set_site(site: str) -> None:
-    global _site
-    _site = site
+def begin_step(step_ledger: OpLedger, site: str) -> None:
+    """The next forward (and its sampling) computes at ``site``, for the model of ``step_ledger``."""
+    global _step
+    _step = (step_ledger, site)
 
 
 def current_site() -> str | None:
-    return _site
+    return None if _step is None else _step[1]
 
 
-def observe(op: str) -> None:
-    """Record one call of the canonical ``op`` at the current site (nothing before the first step)."""
-    if _site is not None and _ledger is not None:
+def observe(op: str, module: object = None) -> None:
+    """Record one call of the canonical ``op`` in the current step, by ``module`` (its model-qualified
+    name, set by ``checks.inspect_model``) if given; nothing before the first step (vLLM's warm-up)."""
+    if _step is not None:
         from skyrl_isoexec.specs import CANONICAL
 
-        _ledger.observe(op, _site, CANONICAL[op].name)
-
-
-def mark_model_built(active_now: bool) -> None:
-    """Remember whether the last model loaded in this process runs the canonical ops (read by the
-    sampler patch, which has no module to ask)."""
-    global _model_built_active
-    _model_built_active = active_now
-
-
-def model_built_active() -> bool:
-    return _model_built_active
+        step_ledger, site = _step
+        step_ledger.observe(op, site, CANONICAL[op].name, getattr(module, "_isoexec_name", None))

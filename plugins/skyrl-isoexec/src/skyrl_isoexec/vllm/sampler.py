@@ -27,11 +27,18 @@ def full_log_softmax(logits: torch.Tensor) -> torch.Tensor:
     return shifted - torch.log(total).unsqueeze(-1)
 
 
-def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
-    if not runtime.model_built_active():
+def compute_logprobs(self, logits: torch.Tensor) -> torch.Tensor:
+    """Replaces vLLM's static method; vLLM always calls it on its sampler (``self.compute_logprobs``,
+    ``self.sampler.compute_logprobs``), which the model runner marked when its model was loaded."""
+    if not getattr(self, "_isoexec", False):
         return _original[0](logits)
     runtime.observe("logprobs")
     return full_log_softmax(logits)
+
+
+def mark(sampler: object, active: bool) -> None:
+    """Make ``sampler`` (an engine's ``Sampler``) compute canonical logprobs, or vLLM's own."""
+    sampler._isoexec = active
 
 
 def install() -> dict[str, str]:
@@ -39,7 +46,7 @@ def install() -> dict[str, str]:
 
     if not _original:
         _original.append(Sampler.compute_logprobs)
-        Sampler.compute_logprobs = staticmethod(compute_logprobs)
+        Sampler.compute_logprobs = compute_logprobs
     return {"Sampler.compute_logprobs": f"{__name__}.compute_logprobs"}
 
 

@@ -1,0 +1,175 @@
+"""A real vLLM engine with IsoExec against the real FSDP trainer, in one process (vLLM in-process mode;
+``test_vllm_isoexec_cli.py`` runs vLLM's default multiprocess mode through ``skyrl isoexec verify``).
+
+Logprobs are compared on their fp32 bit patterns; the negative control is the same pair built with
+IsoExec off. Engines and trainers are module-scoped: each vLLM start costs 10-30 s here.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from skyrl_core.config.schema import ModelConfig, TrainerConfig
+from skyrl_core.types import GenerationRequest, SamplingParams
+from skyrl_isoexec import state
+from skyrl_isoexec.contract import ContractMismatch, build_contract, compare, handshake
+from skyrl_isoexec.presets import preset
+from skyrl_isoexec.verify import build_runtime, compare_logprobs, make_requests, training_batch
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.slow
+
+MODEL = ModelConfig(config=preset("qwen3"), dtype="float32")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def vllm_env(tmp_path_factory):
+    saved = {k: os.environ.get(k) for k in ("VLLM_CACHE_ROOT", "HF_HUB_OFFLINE")}
+    os.environ["VLLM_CACHE_ROOT"] = str(tmp_path_factory.mktemp("vllm-cache"))
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def _trainer(on: bool):
+    with state.enabled_scope(on):
+        return build_runtime(
+            "training_backend", "fsdp", {"world_size": 1, "device": "cpu", "mixed_precision": "fp32"},
+            MODEL, seed=0, trainer=TrainerConfig(micro_batch_size=3),
+        )
+
+
+def _engine(on: bool, trainer, **options):
+    from skyrl_vllm.engine import VLLMEngine
+    from skyrl_vllm.options import VLLMOptions
+
+    opts = {"kv_cache_memory_bytes": 32 << 20, "multiprocess": False, "enable_prefix_caching": True, **options}
+    with state.enabled_scope(on):
+        engine = VLLMEngine(MODEL, VLLMOptions(**opts), seed=0)
+    engine.update_weights(trainer.export_weights())
+    return engine
+
+
+@pytest.fixture(scope="module")
+def trainer_on():
+    trainer = _trainer(True)
+    yield trainer
+    trainer.close()
+
+
+@pytest.fixture(scope="module")
+def engine_on(trainer_on):
+    engine = _engine(True, trainer_on)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def pair_off(engine_on):  # built after the IsoExec engine: one process serves both
+    trainer = _trainer(False)
+    engine = _engine(False, trainer)
+    yield trainer, engine
+    engine.close()
+    trainer.close()
+
+
+def _generate(engine, seed: int, batches: int = 2):
+    rng = random.Random(seed)
+    samples = []
+    for b in range(batches):
+        samples.extend(s for group in engine.generate(make_requests(rng, 512, b)) for s in group)
+    return samples
+
+
+def _differing(trainer, samples) -> int:
+    """Differing tokens over two scoring compositions (all at once, reversed)."""
+    together = compare_logprobs("all", samples, trainer.forward(training_batch(samples)))
+    reverse = samples[::-1]
+    reversed_ = compare_logprobs("reversed", reverse, trainer.forward(training_batch(reverse)))
+    assert together.tokens > 20
+    return together.differing + reversed_.differing
+
+
+def test_rollout_logprobs_are_the_trainers_bits_and_off_they_are_not(trainer_on, engine_on, pair_off):
+    assert _differing(trainer_on, _generate(engine_on, seed=1)) == 0
+    trainer_off, engine_off = pair_off
+    assert _differing(trainer_off, _generate(engine_off, seed=1)) > 0
+    # The IsoExec engine still computes the trainer's bits after an IsoExec-off engine was built here.
+    assert _differing(trainer_on, _generate(engine_on, seed=2)) == 0
+
+
+def test_prefix_cache_hits_and_decode_batches_keep_the_bits(trainer_on, engine_on):
+    """Prompts sharing a 300-token prefix (prefix-cache hits past the first), resubmitted (all
+    cached): every logprob is the trainer's, and the resubmission repeats the first run's bits."""
+    rng = random.Random(5)
+    shared = [rng.randrange(3, 512) for _ in range(300)]
+    requests = [
+        GenerationRequest(
+            request_id=f"p{i}",
+            prompt_token_ids=tuple(shared + [rng.randrange(3, 512) for _ in range(1 + 7 * i)]),
+            sampling=SamplingParams(max_tokens=6, temperature=1.0, seed=100 + i),
+        )
+        for i in range(4)
+    ]
+    first = [s for group in engine_on.generate(requests) for s in group]
+    again = [s for group in engine_on.generate(requests) for s in group]
+    assert [s.token_ids for s in first] == [s.token_ids for s in again]
+    first_bits = torch.tensor([lp for s in first for lp in s.logprobs]).view(torch.int32)
+    again_bits = torch.tensor([lp for s in again for lp in s.logprobs]).view(torch.int32)
+    assert torch.equal(first_bits, again_bits)
+    assert _differing(trainer_on, first) == 0
+
+
+def test_attestation_reports_what_ran_at_each_site_and_the_handshake_agrees(trainer_on, engine_on, pair_off):
+    _generate(engine_on, seed=3, batches=1)
+    contract = engine_on.execution_contract()
+    ledger = contract["ledger"]
+    model = ledger["model"]
+    assert model["architecture"] == "Qwen3ForCausalLM" and model["unpatched"] == []
+    assert model["installed"]["AttentionBackendEnum.CPU_ATTN"] == "skyrl_isoexec.vllm.attention.IsoExecCPUBackend"
+    assert model["installed"]["CustomOp RMSNorm"] == "skyrl_isoexec.vllm.layers.IsoExecRMSNorm"
+    assert model["unrun_modules"] == {}
+    for op in ("embedding", "linear", "rms_norm", "rope", "attention", "silu_mul", "logprobs"):
+        for site in ("engine_prefill", "engine_decode"):
+            assert ledger[f"{op}@{site}"]["calls"].get(f"isoexec.{op}", 0) > 0, (op, site)
+    # 2 layers x (qkv, o, gate_up, down) + lm_head; q/k norms, 2 per layer, the final norm.
+    assert model["op_modules"]["linear"] == 9 and model["op_modules"]["rms_norm"] == 9
+
+    with state.enabled_scope(True):
+        trainer_c = build_contract("trainer", trainer_on.execution_contract()["ledger"], enabled=True)
+        engine_c = build_contract("engine", ledger, enabled=True)
+        assert engine_c["fingerprint"] == []
+        assert compare(trainer_c, engine_c) == [] and trainer_c["hash"] == engine_c["hash"]
+
+        tampered = {**engine_c, "identity": {**engine_c["identity"]}}
+        tampered["identity"]["ops"] = {**engine_c["identity"]["ops"], "linear": {"impl": "torch.linear", "version": "1", "constants": {}}}
+        with pytest.raises(ContractMismatch, match="hash .* does not match its content"):
+            handshake(trainer_c, tampered)
+        with pytest.raises(ContractMismatch, match="linear @ trainer_forward vs engine_prefill"):
+            handshake(trainer_c, {**tampered, "hash": __import__("skyrl_isoexec.contract").contract.sha256(tampered["identity"])})
+
+        # An engine that ran stock ops (IsoExec off when it was built) is refused against the trainer.
+        _, engine_off = pair_off
+        off_c = build_contract("engine", engine_off.execution_contract()["ledger"], enabled=True)
+        problems = compare(trainer_c, off_c)
+        assert any("attention @ trainer_forward vs engine_prefill" in p for p in problems), problems
+
+
+def test_weight_update_in_place_keeps_the_bits(trainer_on, engine_on):
+    samples = _generate(engine_on, seed=4, batches=1)
+    before = trainer_on.forward(training_batch(samples))
+    batch = training_batch(samples)
+    trainer_on.forward_backward(batch, lambda logprobs, micro, **_: (-(logprobs * micro.loss_mask).sum(), {}))
+    trainer_on.optim_step()
+    after = trainer_on.forward(training_batch(samples))
+    assert not torch.equal(before, after)  # the weights did change
+    engine_on.update_weights(trainer_on.export_weights())
+    assert _differing(trainer_on, _generate(engine_on, seed=4, batches=1)) == 0
