@@ -32,8 +32,8 @@ def build_gpt_model(
         if tensor_parallel > 1 and on_cpu:
             raise ValueError(
                 f"{layout.model_type} with tensor_parallel={tensor_parallel} is not supported on CPU: megatron-core "
-                "trains MoE layers under tensor parallelism only with sequence parallelism, whose collectives "
-                "allocate on CUDA; use tensor_parallel=1 (data parallelism via world_size) on CPU"
+                "trains MoE layers under tensor parallelism only with sequence parallelism, which its torch "
+                "(non-Apex, non-Transformer-Engine) RMSNorm refuses; use tensor_parallel=1 on CPU"
             )
         moe = dict(
             # MoE under tensor parallelism requires sequence parallelism in megatron-core.
