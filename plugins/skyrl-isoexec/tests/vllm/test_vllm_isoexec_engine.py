@@ -94,7 +94,7 @@ def _differing(trainer, samples) -> int:
     together = compare_logprobs("all", samples, trainer.forward(training_batch(samples)))
     reverse = samples[::-1]
     reversed_ = compare_logprobs("reversed", reverse, trainer.forward(training_batch(reverse)))
-    assert together.tokens > 20
+    assert together.tokens >= 10  # enough tokens for the comparison to mean something
     return together.differing + reversed_.differing
 
 
