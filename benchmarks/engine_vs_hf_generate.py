@@ -6,7 +6,8 @@ temperature 1 (no top-k/top-p), stopping at EOS, on 2 intra-op threads. The two 
 alternately, ``--repeats`` times each after one warm-up, so that a busy machine slows both alike.
 
 Tokens/s counts generated tokens up to and including EOS (never padding). The last line is the
-ratio of the median tokens/s (skyrl-torch / HF generate).
+ratio of the median tokens/s (skyrl-torch / HF generate). The CPU seconds each run consumed are
+printed too: on a machine shared with other work, wall time swings with their load, CPU time less.
 
     python benchmarks/engine_vs_hf_generate.py [--repeats 3] [--threads 2] [--batch 64]
 """
@@ -73,20 +74,32 @@ def main() -> None:
         ]
         return sum(len(s.token_ids) for group in engine.generate(requests) for s in group)
 
-    print(f"SmolLM2-135M-Instruct fp32, batch {args.batch}, {args.max_new_tokens} new tokens, "
-          f"{torch.get_num_threads()} threads, prompts of {min(map(len, prompt_ids))}-{max(map(len, prompt_ids))} tokens")
-    print(f"skyrl-torch implementation: {engine.execution_contract()['implementation']}", flush=True)
+    contract = engine.execution_contract()
+    print(
+        f"SmolLM2-135M-Instruct fp32, batch {args.batch}, {args.max_new_tokens} new tokens, {torch.get_num_threads()} "
+        f"threads, prompts of {min(map(len, prompt_ids))}-{max(map(len, prompt_ids))} tokens; skyrl-torch "
+        f"implementation {contract['implementation']}, gemm {contract['gemm']}",
+        flush=True,
+    )
     run_hf(0, 2)
     run_skyrl(0, 2)
     rates: dict[str, list[float]] = {"hf_generate": [], "skyrl_torch": []}
+    cpu_rates: dict[str, list[float]] = {"hf_generate": [], "skyrl_torch": []}
     for rep in range(args.repeats):
         for name, fn in (("hf_generate", run_hf), ("skyrl_torch", run_skyrl)):
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             tokens = fn(rep + 1, args.max_new_tokens)
-            seconds = time.perf_counter() - start
+            seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
             rates[name].append(tokens / seconds)
-            print(f"repeat {rep}  {name:12s} {tokens:5d} tokens in {seconds:7.2f} s = {tokens / seconds:8.1f} tokens/s", flush=True)
+            cpu_rates[name].append(tokens / cpu_seconds)
+            print(
+                f"repeat {rep}  {name:12s} {tokens:5d} tokens in {seconds:7.2f} s (CPU {cpu_seconds:7.2f} s) "
+                f"= {tokens / seconds:8.1f} tokens/s",
+                flush=True,
+            )
     hf, skyrl = statistics.median(rates["hf_generate"]), statistics.median(rates["skyrl_torch"])
+    hf_cpu, skyrl_cpu = statistics.median(cpu_rates["hf_generate"]), statistics.median(cpu_rates["skyrl_torch"])
+    print(f"median tokens per CPU second: hf_generate {hf_cpu:.1f}, skyrl_torch {skyrl_cpu:.1f} ({skyrl_cpu / hf_cpu:.2f}x)", flush=True)
     print(f"median tokens/s: hf_generate {hf:.1f}, skyrl_torch {skyrl:.1f}", flush=True)
     print(f"skyrl-torch / HF generate rollout tokens/s ratio: {skyrl / hf:.2f}x", flush=True)
 

@@ -93,7 +93,7 @@ class _Layer:
 def _rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
     """``weight * (x * rsqrt(mean(x^2) + eps))`` in fp32 like transformers' RMSNorm, in three full-size
     kernels (one norm reduction, two multiplies) instead of the seven of the stock decomposition."""
-    ms = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
+    ms = torch.linalg.vector_norm(x if x.dtype == torch.float32 else x.float(), dim=-1, keepdim=True)
     inv = ms.square_().div_(x.shape[-1]).add_(norm.variance_epsilon).rsqrt_()
     if x.dtype == torch.float32:
         return (x * inv).mul_(norm.weight)
@@ -208,5 +208,8 @@ def _decode_attention(
     hkv, length = keys.shape[1], keys.shape[2]
     grouped = q.reshape(n * hkv, hq // hkv, d)
     scores = torch.baddbmm(mask, grouped, keys.reshape(n * hkv, length, d).transpose(1, 2), alpha=scaling)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+    if scores.dtype == torch.float32:
+        probs = torch.softmax(scores, dim=-1)
+    else:  # softmax in fp32, as transformers does
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
     return torch.bmm(probs, values.reshape(n * hkv, length, d)).view(n, 1, hq, d)

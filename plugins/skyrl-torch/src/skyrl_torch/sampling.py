@@ -30,6 +30,7 @@ class RowSampling:
         self.all_greedy = bool(self.greedy.all())
         self.any_greedy = bool(self.greedy.any())
         self.temperature = torch.tensor([t if t > 0 else 1.0 for t in temperatures], device=device).unsqueeze(1)
+        self.unit_temperature = all(t in (0.0, 1.0) for t in temperatures)
         self.top_p = torch.tensor(top_ps, dtype=torch.float64, device=device).unsqueeze(1)
         self.top_k = torch.tensor(top_ks, device=device).unsqueeze(1)
         self.filtered = any(p < 1.0 for p in top_ps) or any(k > 0 for k in top_ks)
@@ -39,10 +40,10 @@ def choose_tokens(logits: torch.Tensor, rows: RowSampling, uniforms: torch.Tenso
     """Next token per row of ``logits [n, V]``: argmax for greedy rows, otherwise a draw from
     softmax(logits / temperature) restricted to the top-k tokens and the top-p nucleus, using the
     row's uniform number in ``uniforms [n]`` (float64 in [0, 1))."""
-    argmax = logits.argmax(dim=-1)
     if rows.all_greedy:
-        return argmax
-    probs = torch.softmax(logits.float() / rows.temperature, dim=-1)
+        return logits.argmax(dim=-1)
+    scaled = logits.float() if rows.unit_temperature else logits.float() / rows.temperature
+    probs = torch.softmax(scaled, dim=-1)
     if rows.filtered:
         probs, order = probs.sort(dim=-1, descending=True, stable=True)
         mass_before = probs.double().cumsum(dim=-1) - probs.double()
@@ -53,7 +54,7 @@ def choose_tokens(logits: torch.Tensor, rows: RowSampling, uniforms: torch.Tenso
         picked = order.gather(1, inverse_cdf(probs * keep, uniforms).unsqueeze(1)).squeeze(1)
     else:
         picked = inverse_cdf(probs, uniforms)
-    return torch.where(rows.greedy, argmax, picked) if rows.any_greedy else picked
+    return torch.where(rows.greedy, logits.argmax(dim=-1), picked) if rows.any_greedy else picked
 
 
 def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor, block: int = 256) -> torch.Tensor:
@@ -67,7 +68,7 @@ def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor, block: int = 256)
     if vocab % block:
         weights = torch.nn.functional.pad(weights, (0, block - vocab % block))
     blocks = weights.view(n, -1, block)
-    block_cdf = blocks.sum(dim=-1, dtype=torch.float64).cumsum(dim=-1)
+    block_cdf = blocks.sum(dim=-1).double().cumsum(dim=-1)
     target = (uniforms.to(torch.float64) * block_cdf[:, -1]).unsqueeze(1)
     # right=True: a block (or token) of zero weight never holds the first cdf value > target.
     chosen = torch.searchsorted(block_cdf, target, right=True).clamp(max=block_cdf.shape[1] - 1)
