@@ -126,6 +126,7 @@ def test_two_in_process_backends_share_megatrons_parallel_state(sequences):
         ({"tensor_parallel": 2, "world_size": 3}, r"world_size \(3\) must be a multiple of tensor_parallel \(2\)"),
         ({"tensor_parallel": 0}, "tensor_parallel must be an integer >= 1, got 0"),
         ({"launcher": "inprocess", "world_size": 2}, "'inprocess' runs one process, but world_size is 2"),
+        ({"tensor_parallel": 2, "world_size": 2, "expert_parallel": 2}, r"expert_parallel \(2\) must divide the data-parallel degree world_size / tensor_parallel \(1\)"),
         ({"launcher": "mpi"}, "launcher must be one of auto, inprocess, ray; got 'mpi'"),
         ({"mixed_precision": "fp16"}, "mixed_precision must be one of fp32, bf16; got 'fp16'"),
     ],

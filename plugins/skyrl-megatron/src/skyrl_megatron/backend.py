@@ -7,6 +7,7 @@ across data-parallel replicas; every tensor-parallel rank of a replica gets the 
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import tempfile
@@ -88,8 +89,14 @@ class MegatronBackend:
         return parts
 
     def _per_rank(self, parts: list[TrainingBatch], *extra: Any) -> list[tuple]:
+        """Each rank's arguments: its replica's rows, ``extra``, and the number of passes every rank
+        runs (expert parallelism only; None otherwise)."""
         tp = self.options.tensor_parallel
-        return [(parts[rank // tp], *extra) for rank in range(self.world_size)]
+        passes = None
+        if self.options.expert_parallel > 1:
+            size = self.options.micro_batch_size or self.trainer.micro_batch_size
+            passes = max(math.ceil(len(part) / size) for part in parts)
+        return [(parts[rank // tp], *extra, passes) for rank in range(self.world_size)]
 
     def _replica_results(self, results: list[Any]) -> list[Any]:
         """One result per replica: its tensor-parallel rank 0's."""

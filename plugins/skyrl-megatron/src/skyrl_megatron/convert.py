@@ -50,12 +50,28 @@ def _gate_then_up(shards: Sequence[Mapping[str, torch.Tensor]], name: str) -> to
     return torch.cat([g for g, _ in halves] + [u for _, u in halves])
 
 
+def expert_name(name: str, index: int) -> str:
+    """``name`` (a parameter of ``local_experts.<i>``) renamed to expert ``index``."""
+    head, _, rest = name.partition(".local_experts.")
+    return f"{head}.local_experts.{index}.{rest.split('.', 1)[1]}"
+
+
 def hf_to_megatron(
-    hf: Mapping[str, torch.Tensor], layout: GPTLayout, *, tp_rank: int, tp_size: int, fused_norms: bool = False
+    hf: Mapping[str, torch.Tensor],
+    layout: GPTLayout,
+    *,
+    tp_rank: int,
+    tp_size: int,
+    ep_rank: int = 0,
+    ep_size: int = 1,
+    fused_norms: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Rank ``tp_rank``'s Megatron parameters (names as in ``GPTModel.named_parameters``) from a
-    full Hugging Face state dict."""
+    """The Megatron parameters (names as in ``GPTModel.named_parameters``) of tensor-parallel rank
+    ``tp_rank`` and expert-parallel rank ``ep_rank`` (which holds experts ``ep_rank * E / ep_size``
+    onwards, numbered from 0 locally) from a full Hugging Face state dict."""
     layout.check_tensor_parallel(tp_size)
+    if layout.num_experts % ep_size:
+        raise ValueError(f"expert_parallel={ep_size} does not divide the model's num_experts ({layout.num_experts})")
     r, tp = tp_rank, tp_size
     hd, qpg, groups = layout.head_dim, layout.heads_per_group, layout.num_kv_heads
     padded = layout.padded_vocab_size(tp)
@@ -80,8 +96,10 @@ def hf_to_megatron(
             out[dst + "mlp.router.weight"] = hf[src + "mlp.gate.weight"]
             gate_up, down = hf[src + "mlp.experts.gate_up_proj"], hf[src + "mlp.experts.down_proj"]
             f = layout.moe_ffn_hidden_size
-            for e in range(layout.num_experts):
-                expert = f"{dst}mlp.experts.local_experts.{e}."
+            local_experts = layout.num_experts // ep_size
+            for local in range(local_experts):
+                e = ep_rank * local_experts + local
+                expert = f"{dst}mlp.experts.local_experts.{local}."
                 out[expert + "linear_fc1.weight"] = torch.cat([_rows(gate_up[e, :f], r, tp), _rows(gate_up[e, f:], r, tp)])
                 out[expert + "linear_fc2.weight"] = _cols(down[e], r, tp)
         else:
@@ -99,7 +117,8 @@ def megatron_to_hf(
     shards: Sequence[Mapping[str, torch.Tensor]], layout: GPTLayout, *, fused_norms: bool = False
 ) -> dict[str, torch.Tensor]:
     """The full Hugging Face state dict (transformers' names and order, ``lm_head.weight`` included
-    even when tied) from every tensor-parallel rank's parameters, in rank order."""
+    even when tied) from every tensor-parallel rank's parameters, in rank order (with every expert,
+    numbered globally: see ``expert_name``)."""
     tp = len(shards)
     hd, qpg = layout.head_dim, layout.heads_per_group
     V = layout.vocab_size

@@ -14,6 +14,7 @@ import operator
 from typing import Iterator
 
 import torch
+import torch.distributed as dist
 
 _applied = False
 
@@ -115,6 +116,53 @@ def _router_gating_on_cpu(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A
     return torch.nn.functional.linear(input.to(router_dtype), self.weight.to(router_dtype), bias)
 
 
+def _gather_along_first_dim_on_cpu(input_, group, output_split_sizes=None, use_global_buffer=False):
+    """``tensor_parallel.mappings._gather_along_first_dim`` allocating where its input lives.
+
+    Replaces: the function of that name, which allocates its output with
+    ``device=torch.cuda.current_device()`` (unless it borrows the global buffer). Why: expert
+    parallelism (the all-gather token dispatcher) and sequence parallelism gather through it.
+    Same collectives and layout otherwise.
+    """
+    if group.size() == 1:
+        return input_
+    if output_split_sizes is None:
+        output = _output_buffer(input_, (input_.shape[0] * group.size(), *input_.shape[1:]), use_global_buffer)
+        dist.all_gather_into_tensor(output, input_.contiguous(), group=group)
+        return output
+    output = _output_buffer(input_, (sum(output_split_sizes), *input_.shape[1:]), use_global_buffer)
+    dist.all_gather(list(torch.split(output, output_split_sizes, dim=0)), input_, group=group)
+    return output
+
+
+def _reduce_scatter_along_first_dim_on_cpu(input_, group, input_split_sizes=None, use_global_buffer=False):
+    """``tensor_parallel.mappings._reduce_scatter_along_first_dim`` allocating where its input lives.
+
+    Replaces: the function of that name (``device=torch.cuda.current_device()``). Why: the backward
+    of the gathers above, and the sequence-parallel reduce-scatter, run through it.
+    """
+    if group.size() == 1:
+        return input_
+    if input_split_sizes is None:
+        if input_.shape[0] % group.size():
+            raise ValueError("first dimension of the tensor should be divisible by the group size")
+        output = _output_buffer(input_, (input_.shape[0] // group.size(), *input_.shape[1:]), use_global_buffer)
+        dist.reduce_scatter_tensor(output, input_.contiguous(), group=group)
+        return output
+    pieces = list(torch.split(input_, input_split_sizes, dim=0))
+    output = _output_buffer(input_, tuple(pieces[group.rank()].shape), use_global_buffer)
+    dist.reduce_scatter(output, pieces, group=group)
+    return output
+
+
+def _output_buffer(input_: torch.Tensor, shape: tuple[int, ...], use_global_buffer: bool) -> torch.Tensor:
+    if use_global_buffer:
+        from megatron.core.parallel_state import get_global_memory_buffer
+
+        return get_global_memory_buffer().get_tensor(shape, input_.dtype, "mpu")
+    return torch.empty(shape, dtype=input_.dtype, device=input_.device)
+
+
 def apply(seed: int) -> None:
     """Install the CPU redirections (idempotent) and seed the RNG tracker like
     ``tensor_parallel.model_parallel_cuda_manual_seed`` would (which calls ``torch.cuda.manual_seed``).
@@ -127,9 +175,13 @@ def apply(seed: int) -> None:
     from megatron.core.tensor_parallel import random as mp_random
     from megatron.core.transformer.moe import router
 
+    from megatron.core.tensor_parallel import mappings
+
     if not _applied:
         rotary_pos_embedding.RotaryEmbedding.get_emb = _rotary_emb_on_cpu
         router.Router.gating = _router_gating_on_cpu
+        mappings._gather_along_first_dim = _gather_along_first_dim_on_cpu
+        mappings._reduce_scatter_along_first_dim = _reduce_scatter_along_first_dim_on_cpu
         _applied = True
     # initialize_model_parallel created a CUDA GlobalMemoryBuffer; swap in the CPU one.
     parallel_state._GLOBAL_MEMORY_BUFFER = CpuMemoryBuffer()

@@ -1,8 +1,9 @@
 """Optimizers over a Megatron model's tensor-parallel shards.
 
 ``ShardedAdamW`` (CPU): megatron-core's own optimizers allocate on CUDA, so on CPU a torch AdamW
-steps this rank's shards. Gradients are summed across data-parallel replicas, and the gradient
-norm counts every tensor-parallel shard once and every replicated parameter (norms) once.
+steps this rank's shards. Gradients are summed across data-parallel replicas (expert parameters
+across the replicas holding the same experts), and the gradient norm counts every tensor- and
+expert-parallel shard once and every replicated parameter (norms) once.
 
 ``MegatronAdam`` (GPU): megatron-core's DDP wrapper (contiguous fp32 gradient buffers) and
 ``get_megatron_optimizer`` (fp32 main parameters under bf16, its own clipping and norm).
@@ -29,41 +30,66 @@ def _decay_groups(params: list[torch.nn.Parameter], weight_decay: float) -> list
 
 
 class ShardedAdamW:
-    def __init__(self, model: torch.nn.Module, *, weight_decay: float, grad_clip: float, tp_group, dp_group) -> None:
-        self.params = [p for p in model.parameters() if p.requires_grad]
+    """Expert parameters (``...local_experts...``) are split across expert-parallel ranks: their
+    gradients are summed over the expert-data-parallel group only, and their norm over the
+    expert tensor-and-expert-parallel group."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        weight_decay: float,
+        grad_clip: float,
+        tp_group,
+        dp_group,
+        expert_dp_group,
+        expert_shard_group,
+    ) -> None:
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        self.expert_params = [p for n, p in named if ".local_experts." in n]
+        self.dense_params = [p for n, p in named if ".local_experts." not in n]
         self.grad_clip = grad_clip
         self.tp_group, self.dp_group = tp_group, dp_group
+        self.expert_dp_group, self.expert_shard_group = expert_dp_group, expert_shard_group
         self.optimizer = torch.optim.AdamW(_decay_groups(self.params, weight_decay), lr=0.0)
 
-    def _sum_grads_across_replicas(self) -> None:
-        if dist.get_world_size(self.dp_group) == 1:
+    @staticmethod
+    def _sum_grads(params: list[torch.nn.Parameter], group) -> None:
+        if not params or dist.get_world_size(group) == 1:
             return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.dp_group)
+        dist.all_reduce(flat, group=group)
         offset = 0
-        for p in self.params:
+        for p in params:
             p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
             offset += p.numel()
 
     def grad_norm(self) -> float:
         """The L2 norm of the whole model's gradient (as if unsharded)."""
         zero = torch.zeros((), dtype=torch.float64)
-        sharded, replicated = zero.clone(), zero.clone()
+        sharded, replicated, experts = zero.clone(), zero.clone(), zero.clone()
+        expert_ids = {id(p) for p in self.expert_params}
         for p in self.params:
             if p.grad is None:
                 continue
             sq = p.grad.double().pow(2).sum()
-            if getattr(p, "tensor_model_parallel", False):
+            if id(p) in expert_ids:
+                experts += sq
+            elif getattr(p, "tensor_model_parallel", False):
                 sharded += sq
             else:  # identical on every tensor-parallel rank: count it once
                 replicated += sq
         if dist.get_world_size(self.tp_group) > 1:
             dist.all_reduce(sharded, group=self.tp_group)
-        return math.sqrt(float(sharded + replicated))
+        if self.expert_params and dist.get_world_size(self.expert_shard_group) > 1:
+            dist.all_reduce(experts, group=self.expert_shard_group)
+        return math.sqrt(float(sharded + replicated + experts))
 
     def step(self, lr: float) -> float:
-        self._sum_grads_across_replicas()
+        self._sum_grads(self.dense_params, self.dp_group)
+        self._sum_grads(self.expert_params, self.expert_dp_group)
         norm = self.grad_norm()
         if math.isfinite(norm):
             # torch.nn.utils.clip_grad_norm_'s rule, so the curve matches a single-process run.

@@ -34,8 +34,9 @@ class MegatronOptions:
     """How the Megatron backend lays the model out over processes.
 
     ``world_size`` processes form ``world_size // tensor_parallel`` data-parallel replicas of a
-    model split ``tensor_parallel`` ways. One process runs in the caller's process; more run as Ray
-    actors on this machine.
+    model split ``tensor_parallel`` ways; with ``expert_parallel`` > 1, groups of that many replicas
+    split the experts of MoE layers between them. One process runs in the caller's process; more run
+    as Ray actors on this machine.
     """
 
     tensor_parallel: int = attrs.field(default=1, validator=_at_least_one, metadata=_help("tensor-parallel degree"))
@@ -43,6 +44,11 @@ class MegatronOptions:
         default=None,
         validator=_at_least_one,
         metadata=_help("number of processes (default: tensor_parallel); a multiple of tensor_parallel"),
+    )
+    expert_parallel: int = attrs.field(
+        default=1,
+        validator=_at_least_one,
+        metadata=_help("expert-parallel degree (MoE models): experts split across this many data-parallel replicas"),
     )
     micro_batch_size: int | None = attrs.field(
         default=None, validator=_at_least_one, metadata=_help("sequences per forward pass (default: trainer.micro_batch_size)")
@@ -69,6 +75,11 @@ class MegatronOptions:
         if world % self.tensor_parallel:
             raise ValueError(
                 f"backend.options.world_size ({world}) must be a multiple of tensor_parallel ({self.tensor_parallel})"
+            )
+        if self.data_parallel % self.expert_parallel:
+            raise ValueError(
+                f"backend.options.expert_parallel ({self.expert_parallel}) must divide the data-parallel degree "
+                f"world_size / tensor_parallel ({self.data_parallel})"
             )
         if self.launcher == "inprocess" and world != 1:
             raise ValueError(

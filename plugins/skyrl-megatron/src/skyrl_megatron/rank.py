@@ -24,7 +24,7 @@ from skyrl_core.ops import prepare_model, site_scope, token_logprobs
 from skyrl_core.ops.install import DEFAULT_IMPLS
 from skyrl_core.types import TrainingBatch
 from skyrl_megatron import logprobs as vp
-from skyrl_megatron.convert import hf_to_megatron, megatron_to_hf
+from skyrl_megatron.convert import expert_name, hf_to_megatron, megatron_to_hf
 from skyrl_megatron.layout import GPTLayout, layout_from_hf_config
 from skyrl_megatron.model import build_gpt_model, left_align, load_parameters, transformer_engine_available
 from skyrl_megatron.optimizers import MegatronAdam, ShardedAdamW, wrap_for_gpu_training
@@ -73,7 +73,9 @@ _parallel_users = 0
 _owns_process_group = False
 
 
-def _acquire_parallel_state(device: torch.device, rank: int, world_size: int, tp: int, init_method: str | None, seed: int) -> None:
+def _acquire_parallel_state(
+    device: torch.device, rank: int, world_size: int, tp: int, ep: int, init_method: str | None, seed: int
+) -> None:
     global _parallel_users, _owns_process_group
     from megatron.core import parallel_state
 
@@ -98,7 +100,7 @@ def _acquire_parallel_state(device: torch.device, rank: int, world_size: int, tp
             f"a torch.distributed process group (rank {dist.get_rank()} of {dist.get_world_size()}) already "
             f"exists in this process; the Megatron backend needs rank {rank} of {world_size}"
         )
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
     if device.type == "cpu":
         from skyrl_megatron import cpu_compat
 
@@ -149,7 +151,8 @@ class MegatronRank:
                 "on CPU the megatron backend trains in fp32"
             )
         self.params_dtype = torch.bfloat16 if options.mixed_precision == "bf16" else torch.float32
-        _acquire_parallel_state(self.device, rank, self.world_size, self.tp, init_method, seed)
+        self.ep = options.expert_parallel
+        _acquire_parallel_state(self.device, rank, self.world_size, self.tp, self.ep, init_method, seed)
         self._closed = False
         self._init_groups()
         try:
@@ -169,12 +172,18 @@ class MegatronRank:
             raise AssertionError(f"megatron placed rank {self.rank} at tp {self.tp_rank}, dp {self.dp_rank}")
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.dp_group = parallel_state.get_data_parallel_group()
+        self.ep_rank = parallel_state.get_expert_model_parallel_rank()
+        self.ep_group = parallel_state.get_expert_model_parallel_group()
+        self.expert_dp_group = parallel_state.get_expert_data_parallel_group()
+        self.expert_shard_group = parallel_state.get_expert_tensor_and_model_parallel_group()
 
     def _build(self, model: ModelConfig, seed: int) -> None:
         # Same seed on every rank: identical full weights, of which each rank keeps its shard.
         hf_model = load_causal_lm(attrs.evolve(model, dtype="float32"), seed=seed)
         self.hf_config = hf_model.config
         self.layout: GPTLayout = layout_from_hf_config(hf_model.config)
+        if self.ep > 1 and not self.layout.is_moe:
+            raise ValueError(f"expert_parallel={self.ep} needs a mixture-of-experts model; {self.layout.model_type} has no experts")
         hf_state = hf_model.state_dict()
         del hf_model
         self.use_transformer_engine = self.device.type == "cuda" and transformer_engine_available()
@@ -186,7 +195,13 @@ class MegatronRank:
             on_cpu=self.device.type == "cpu",
         )
         shard = hf_to_megatron(
-            hf_state, self.layout, tp_rank=self.tp_rank, tp_size=self.tp, fused_norms=self.use_transformer_engine
+            hf_state,
+            self.layout,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp,
+            ep_rank=self.ep_rank,
+            ep_size=self.ep,
+            fused_norms=self.use_transformer_engine,
         )
         load_parameters(self.model, shard)
         del hf_state, shard
@@ -203,6 +218,8 @@ class MegatronRank:
                 grad_clip=self.trainer.grad_clip,
                 tp_group=self.tp_group,
                 dp_group=self.dp_group,
+                expert_dp_group=self.expert_dp_group,
+                expert_shard_group=self.expert_shard_group,
             )
         else:  # pragma: no cover - needs CUDA
             self.model.to(self.device)
@@ -217,9 +234,17 @@ class MegatronRank:
 
     # --- computation -------------------------------------------------------------------------
 
-    def _vocab_logits(self, batch: TrainingBatch) -> torch.Tensor:
-        """This rank's vocabulary slice of the raw logits predicting each response token: ``[B, R, V/tp]``."""
+    def _vocab_logits(self, batch: TrainingBatch, rows: int | None = None) -> torch.Tensor:
+        """This rank's vocabulary slice of the raw logits predicting each response token: ``[B, R, V/tp]``.
+
+        ``rows``: run the model on that many rows, padding with empty ones (expert parallelism
+        gathers tokens across ranks in equal shares, so every rank's pass must have the same shape).
+        """
         ids, mask = batch.input_ids, batch.attention_mask
+        if rows is not None and rows > len(batch):
+            empty = rows - len(batch)
+            ids = torch.cat([ids, ids.new_zeros(empty, ids.shape[1])])
+            mask = torch.cat([mask, mask.new_zeros(empty, mask.shape[1])])
         P, R = batch.prompt_len, batch.response_len
         aligned, shift = left_align(ids, mask)
         first = P - shift - 1  # aligned position whose logits predict response token 0
@@ -232,7 +257,7 @@ class MegatronRank:
         causal = None if self.use_transformer_engine else torch.ones(S, S, dtype=torch.bool, device=ids.device).triu(1)[None, None]
         logits = self.module(aligned, positions, attention_mask=causal)  # [B, S, V/tp]
         index = (first.clamp_min(0).unsqueeze(1) + torch.arange(R, device=ids.device)).unsqueeze(-1)
-        return logits.gather(1, index.expand(B, R, logits.shape[-1]))
+        return logits.gather(1, index.expand(B, R, logits.shape[-1]))[: len(batch)]
 
     def _token_logprobs(self, logits: torch.Tensor, targets: torch.Tensor, site: str, temperature: float) -> torch.Tensor:
         impl = self.ledger.impl("logprobs", site)
@@ -250,10 +275,10 @@ class MegatronRank:
         )
 
     def _response_logprobs(
-        self, batch: TrainingBatch, temperature: float, site: str, with_entropy: bool
+        self, batch: TrainingBatch, temperature: float, site: str, with_entropy: bool, rows: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         R = batch.response_len
-        logits = self._vocab_logits(batch)
+        logits = self._vocab_logits(batch, rows)
         targets = batch.input_ids[:, -R:]
         logprobs = self._token_logprobs(logits, targets, site, temperature)
         real = batch.attention_mask[:, -R:].bool()
@@ -270,23 +295,44 @@ class MegatronRank:
             entropy = torch.where(real, entropy, zero)
         return logprobs, entropy
 
-    def forward(self, part: TrainingBatch, temperature: float) -> torch.Tensor:
+    def _passes(self, part: TrainingBatch, num_passes: int | None) -> list[TrainingBatch]:
+        """This replica's micro-batches, then empty ones up to ``num_passes`` (expert parallelism:
+        every rank of an expert group must enter the same collectives the same number of times)."""
+        micro = part.split(self._micro_batch_size()) if len(part) else []
+        if num_passes is None:
+            return micro
+        if len(micro) > num_passes:
+            raise AssertionError(f"rank {self.rank} got {len(micro)} micro-batches, more than {num_passes}")
+        return micro + [part.select(slice(0, 0))] * (num_passes - len(micro))
+
+    def _pass_rows(self, num_passes: int | None) -> int | None:
+        return None if num_passes is None else self._micro_batch_size()
+
+    def forward(self, part: TrainingBatch, temperature: float, num_passes: int | None = None) -> torch.Tensor:
         """Logprobs ``[b, R]`` (fp32, CPU) of this replica's rows."""
         outputs = []
         with torch.no_grad(), site_scope("trainer_score"):
-            for micro in part.split(self._micro_batch_size()) if len(part) else []:
-                logprobs, _ = self._response_logprobs(_on_device(micro, self.device), temperature, "trainer_score", False)
+            for micro in self._passes(part, num_passes):
+                micro = _on_device(micro, self.device)
+                logprobs, _ = self._response_logprobs(micro, temperature, "trainer_score", False, self._pass_rows(num_passes))
                 outputs.append(logprobs.float().cpu())
         return torch.cat(outputs) if outputs else torch.zeros(0, part.response_len)
 
-    def forward_backward(self, part: TrainingBatch, loss_fn: LossFn, temperature: float) -> list[dict[str, float]]:
+    def forward_backward(
+        self, part: TrainingBatch, loss_fn: LossFn, temperature: float, num_passes: int | None = None
+    ) -> list[dict[str, float]]:
         """Per micro-batch of this replica's rows: ``{**metrics, "loss": loss}``; gradients accumulate."""
         wants_entropy = _accepts_keyword(loss_fn, "entropy")
         results = []
-        for micro in part.split(self._micro_batch_size()) if len(part) else []:
+        for micro in self._passes(part, num_passes):
             micro = _on_device(micro, self.device)
             with site_scope("trainer_forward"):
-                logprobs, entropy = self._response_logprobs(micro, temperature, "trainer_forward", wants_entropy)
+                logprobs, entropy = self._response_logprobs(
+                    micro, temperature, "trainer_forward", wants_entropy and len(micro) > 0, self._pass_rows(num_passes)
+                )
+                if len(micro) == 0:  # an empty pass: joins the collectives, adds exactly zero gradient
+                    (logprobs.sum() * 0.0).backward()
+                    continue
                 extra = {"entropy": entropy} if wants_entropy else {}
                 loss, metrics = loss_fn(logprobs, micro, **extra)
                 loss.backward()
@@ -317,15 +363,16 @@ class MegatronRank:
         """Full fp32 CPU weights by Hugging Face name on global rank 0 (``{}`` elsewhere).
         Collective over the tensor-parallel group (gathered on the compute device: nccl needs CUDA)."""
         shards: list[dict[str, torch.Tensor]] = [{} for _ in range(self.tp)]
+        local_experts = self.layout.num_experts // self.ep
         for name, param in self.model.named_parameters():
-            local = param.detach().float().contiguous()
-            if self.tp == 1:
-                parts = [local]
-            else:
-                parts = [torch.empty_like(local) for _ in range(self.tp)]
-                dist.all_gather(parts, local, group=self.tp_group)
-            for r, part in enumerate(parts):
-                shards[r][name] = part.cpu()
+            for r, part in enumerate(_all_gather(param.detach().float().contiguous(), self.tp_group)):
+                if ".local_experts." not in name:
+                    shards[r][name] = part.cpu()
+                    continue
+                local = int(name.split(".local_experts.")[1].split(".")[0])
+                # Expert-parallel rank k holds experts k * E / ep onwards.
+                for k, expert in enumerate(_all_gather(part, self.ep_group)):
+                    shards[r][expert_name(name, k * local_experts + local)] = expert.cpu()
         if self.rank != 0:
             return {}
         return megatron_to_hf(shards, self.layout, fused_norms=self.use_transformer_engine)
@@ -352,6 +399,7 @@ class MegatronRank:
                 "format": CHECKPOINT_FORMAT,
                 "optimizer_steps": self.optimizer_steps,
                 "tensor_parallel": self.tp,
+                "expert_parallel": self.ep,
                 "world_size": self.world_size,
                 "layout": attrs.asdict(self.layout),
             }
@@ -362,11 +410,12 @@ class MegatronRank:
         meta = torch.load(os.path.join(path, TRAINER_STATE_FILE), weights_only=False)
         if meta.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"{path}: checkpoint format {meta.get('format')!r}, this backend reads {CHECKPOINT_FORMAT}")
-        if (meta["tensor_parallel"], meta["world_size"]) != (self.tp, self.world_size):
+        written = (meta["tensor_parallel"], meta.get("expert_parallel", 1), meta["world_size"])
+        if written != (self.tp, self.ep, self.world_size):
             raise ValueError(
-                f"{path} was written with tensor_parallel={meta['tensor_parallel']}, world_size={meta['world_size']}; "
-                f"this backend runs tensor_parallel={self.tp}, world_size={self.world_size}. To change the layout, "
-                "start from a save_hf directory (model.path) instead"
+                f"{path} was written with (tensor_parallel, expert_parallel, world_size)={written}; this backend "
+                f"runs {(self.tp, self.ep, self.world_size)}. To change the layout, start from a save_hf directory "
+                "(model.path) instead"
             )
         state = torch.load(os.path.join(path, shard_file(self.rank)), weights_only=False)
         load_parameters(self.model, state["model"])
@@ -382,6 +431,7 @@ class MegatronRank:
             "ledger": self.ledger.as_dict(),
             "backend": "megatron",
             "tensor_parallel": self.tp,
+            "expert_parallel": self.ep,
             "world_size": self.world_size,
             "layer_spec": "transformer_engine" if self.use_transformer_engine else "local",
             "mixed_precision": self.options.mixed_precision,
@@ -401,6 +451,14 @@ class MegatronRank:
         for attr in ("optimizer", "module", "model"):
             self.__dict__.pop(attr, None)
         _release_parallel_state()
+
+
+def _all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
+    if dist.get_world_size(group) == 1:
+        return [t]
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t, group=group)
+    return parts
 
 
 def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
