@@ -69,6 +69,21 @@ def test_more_samples_than_slots_wait_and_join_with_identical_results(reference)
         assert_logprobs_match(reference, group)
 
 
+def test_finished_samples_leave_and_decode_shrinks_to_the_samples_in_flight(reference):
+    """Once nothing waits, samples move down into freed slots: decode rows == samples in flight."""
+    lengths = (2, 9, 3, 12, 5)
+    requests = [request(prompt(4, i), f"r{i}", seed=i, max_tokens=m) for i, m in enumerate(lengths)]
+    eng = engine(max_num_seqs=8)
+    shapes = record_forwards(eng)
+    out = eng.generate(requests)
+    decode_rows = [rows for rows, tokens in shapes if tokens == 1]
+    in_flight = [sum(1 for m in lengths if m > step) for step in range(1, max(lengths))]
+    assert decode_rows == in_flight
+    for req, group in zip(requests, out):
+        assert group[0].token_ids == eng.generate([req])[0][0].token_ids
+    assert_logprobs_match(reference, [g[0] for g in out])
+
+
 def test_a_request_with_more_samples_than_slots_is_split():
     req = request(prompt(5), "big", n=5, seed=3, max_tokens=5)
     split = engine(max_num_seqs=2).generate([req])[0]
@@ -113,6 +128,21 @@ def test_a_prefix_common_to_prompts_is_prefilled_once(reference):
     for a, b in zip(out, plain):
         assert [s.token_ids for s in a] == [s.token_ids for s in b]
     assert_logprobs_match(reference, [s for g in out for s in g])
+
+
+def test_a_stop_string_spanning_several_tokens():
+    eng = engine()
+    for seed in range(50):  # find a free run with three printable ASCII characters in a row
+        free = eng.generate([request(prompt(6), "s", seed=seed, max_tokens=30)])[0][0]
+        spans = [i for i in range(1, len(free.text) - 2) if all(32 < ord(c) < 127 for c in free.text[i : i + 3])]
+        if spans:
+            break
+    stop = free.text[spans[0] : spans[0] + 3]
+    stopped = eng.generate([request(prompt(6), "s", seed=seed, max_tokens=30, stop=(stop,))])[0][0]
+    assert stopped.stop_reason == "stop"
+    assert stopped.text == free.text[: free.text.find(stop)]
+    assert eng.tokenizer.decode(stopped.token_ids).endswith(stop)  # one byte per token: ends exactly there
+    assert stopped.token_ids == free.token_ids[: len(stopped.token_ids)]
 
 
 # --- implementations -------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ class _Sample:
     logprobs: list[float] = attrs.field(factory=list)
     stop_reason: str | None = None
     text_end: int | None = None  # where a stop string starts in the decoded text
+    text_checked: int = 0  # length of the decoded text already searched for stop strings
 
     @property
     def next_position(self) -> int:
@@ -186,6 +187,23 @@ class TorchEngine:
                 heapq.heappush(free, s.slot)
             if finished:
                 layout = None
+                if not waiting:  # (waiting samples refill the holes instead)
+                    self._compact(active, free, cache)
+
+    @staticmethod
+    def _compact(active: dict[int, _Sample], free: list[int], cache: SlotKVCache) -> None:
+        """Move the highest in-flight samples down into free slots: a decode step spans slots
+        0..highest in flight, so holes below it would be computed for nothing."""
+        while free and active:
+            top = max(active)
+            if free[0] > top:
+                return
+            hole = heapq.heappop(free)
+            s = active.pop(top)
+            cache.copy_prefix(top, [hole], s.next_position)  # every cached token of the sample
+            s.slot = hole
+            active[hole] = s
+            heapq.heappush(free, top)
 
     def _prefill(self, groups: list[list[_Sample]], cache: SlotKVCache) -> None:
         """Prefill the prompt of each group once, share it with the group's samples, pick first tokens."""
@@ -285,9 +303,10 @@ class TorchEngine:
             return
         if sampling.stop:
             text = self.tokenizer.decode(s.token_ids, skip_special_tokens=True)
-            # Only a match that ends in the newest token's text is new; look back far enough for it.
-            tail = max(0, len(text) - len(self.tokenizer.decode(s.token_ids[-1:], skip_special_tokens=True)))
-            found = [i for i in (text.find(stop, max(0, tail - len(stop) + 1)) for stop in sampling.stop) if i >= 0]
+            # A new match ends in the text this token added; earlier matches would have stopped
+            # an earlier step. One character of slack for tokenizers that re-space the text.
+            found = [i for i in (text.find(stop, max(0, s.text_checked - len(stop))) for stop in sampling.stop) if i >= 0]
+            s.text_checked = len(text)
             if found:
                 s.stop_reason = "stop"
                 s.text_end = min(found)
