@@ -49,13 +49,15 @@ def main() -> None:
     model_config = ModelConfig(path=prepare_smollm2())
     tokenizer = load_tokenizer(model_config)
     rng = random.Random(0)
-    prompts = [
+    texts = [
         tokenizer.apply_chat_template(
             [{"role": "user", "content": f"What is {rng.randint(0, 49)} + {rng.randint(0, 49)}?"}],
             add_generation_prompt=True,
+            tokenize=False,
         )
         for _ in range(args.batch)
     ]
+    prompts = [tuple(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
     longest = max(len(p) for p in prompts) + args.max_new_tokens
 
     def requests(seed: int, max_new: int) -> list[GenerationRequest]:
