@@ -14,6 +14,7 @@ import torch
 
 from skyrl_core.algorithms.entropy import entropy_bonus
 from skyrl_core.algorithms.kl import kl_loss
+from skyrl_core.algorithms.off_policy import mismatch_metrics
 from skyrl_core.algorithms.tensor_utils import masked_scalar
 from skyrl_core.types import TrainingBatch
 
@@ -21,6 +22,9 @@ from skyrl_core.types import TrainingBatch
 @attrs.frozen(kw_only=True)
 class RLLoss:
     """``(logprobs, micro_batch, entropy=None) -> (loss, metrics)``.
+
+    A micro-batch without ``old_logprobs`` is its own old policy (a single update per rollout):
+    the old logprobs are ``logprobs`` detached, and the trainer/engine mismatch is measured here.
 
     ``kl_coef > 0`` adds ``kl_coef * KL(pi || pi_ref)`` (needs ``ref_logprobs`` in the batch);
     ``entropy_coef`` adds ``-entropy_coef * entropy`` (the entropy is reported either way).
@@ -32,11 +36,17 @@ class RLLoss:
     entropy_coef: float = 0.0
 
     def __call__(self, logprobs: torch.Tensor, batch: TrainingBatch, entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+        old_logprobs = batch.old_logprobs
+        mismatch: dict[str, float] = {}
+        if old_logprobs is None:
+            old_logprobs = logprobs.detach()
+            if batch.rollout_logprobs is not None:
+                mismatch = mismatch_metrics(old_logprobs, batch.rollout_logprobs, batch.loss_mask)
         loss, policy_metrics = self.policy_loss(
-            logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask, batch.rollout_logprobs,
+            logprobs, old_logprobs, batch.advantages, batch.loss_mask, batch.rollout_logprobs,
             token_weights=batch.token_weights, group_ids=batch.group_ids,
         )
-        metrics = {f"policy/{k}": float(v) for k, v in policy_metrics.items()}
+        metrics = {**mismatch, **{f"policy/{k}": float(v) for k, v in policy_metrics.items()}}
         if self.kl_coef > 0:
             kl_term, kl_metrics = kl_loss(logprobs, batch.ref_logprobs, batch.loss_mask, self.kl_estimator,
                                           token_weights=batch.token_weights)

@@ -27,7 +27,7 @@ from skyrl_core.algorithms.kl import AdaptiveKLController, FixedKLController, ap
 from skyrl_core.algorithms.off_policy import off_policy_correction
 from skyrl_core.algorithms.reductions import reduction_weights
 from skyrl_core.config.loader import unstructure
-from skyrl_core.config.schema import Config
+from skyrl_core.config.schema import Config, OffPolicyConfig
 from skyrl_core.data import load_dataset
 from skyrl_core.models import load_tokenizer
 from skyrl_core.plugins.manager import get_plugin_manager
@@ -121,6 +121,9 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
     engine.update_weights(backend.export_weights())
     skip_old_logprobs = tc.reuse_rollout_logprobs or _isoexec_skips_old_logprobs(cfg, pm)
     chunk_rows = tc.micro_batch_size * getattr(backend, "world_size", 1)  # micro_batch_size is per rank
+    # One optimizer step per rollout, nothing that needs old logprobs before training: see step 2.
+    single_update = (tc.ppo_epochs == 1 and tc.mini_batches == 1 and kl_cfg.use_as != "reward"
+                     and cfg.algorithm.off_policy == OffPolicyConfig())
 
     def run_eval(step: int) -> dict[str, float]:
         if not eval_rows:
@@ -155,12 +158,19 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
         if samples:
             batch = build_training_batch(samples, codec.pad_token_id)
 
-            # 2. old logprobs (the policy that sampled, as the trainer computes it) and the reference
+            # 2. old logprobs: the trainer's logprobs of the sampled tokens under the sampling policy.
+            #    - IsoExec (or trainer.reuse_rollout_logprobs): the engine's are the trainer's; step 1
+            #      computes them anyway, so the log shows the mismatch the skip relies on;
+            #    - a single update per rollout: the training forward's own (detached) logprobs are
+            #      them, so the loss takes them from there (None here) and measures the mismatch;
+            #    - otherwise: a forward pass.
             t = time.perf_counter()
-            # Skipped when the engine's logprobs are the trainer's (IsoExec, or the user says so);
-            # step 1 computes them anyway, so the log shows the mismatch the skip relies on.
-            measure = not skip_old_logprobs or step == 1
-            old_logprobs = _forward(backend, batch, chunk_rows) if measure else batch.rollout_logprobs
+            if skip_old_logprobs and step != 1:
+                old_logprobs = batch.rollout_logprobs
+            elif single_update:
+                old_logprobs = None
+            else:
+                old_logprobs = _forward(backend, batch, chunk_rows)
             timings["time/old_logprobs"] = time.perf_counter() - t
             ref_logprobs = reference.forward(batch) if reference is not None else None
 
@@ -171,10 +181,11 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
                 rewards = apply_kl_penalty(rewards, kl, kl_ctl.value, batch.loss_mask)
                 metrics["kl"] = float(kl.sum() / batch.loss_mask.sum().clamp(min=1))
             advantages, returns = _advantages(estimator, samples, rewards, batch)
-            multiplier, mismatch = off_policy_correction(
-                old_logprobs, batch.rollout_logprobs if measure else None, batch.loss_mask, cfg.algorithm.off_policy
-            )
-            metrics.update(mismatch)
+            multiplier = batch.loss_mask
+            if old_logprobs is not None and old_logprobs is not batch.rollout_logprobs:
+                multiplier, mismatch = off_policy_correction(old_logprobs, batch.rollout_logprobs, batch.loss_mask,
+                                                             cfg.algorithm.off_policy)
+                metrics.update(mismatch)
             batch = attrs.evolve(batch, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                                  advantages=advantages, returns=returns)
 
@@ -190,8 +201,10 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
                     weights = reduction_weights(mini.loss_mask, cfg.algorithm.loss_reduction, mini.group_ids, norm_len)
                     mini = attrs.evolve(mini, token_weights=weights * multiplier[rows_of_mini])
                     # length-sorted, trimmed micro-batches; gradients accumulate until the step
-                    micro = [backend.forward_backward(chunk, loss_fn) for _, chunk in length_sorted_chunks(mini, chunk_rows)]
-                    train_metrics.append({**_combine_micro_metrics(micro), **backend.optim_step()})
+                    chunks = [chunk for _, chunk in length_sorted_chunks(mini, chunk_rows)]
+                    micro = [backend.forward_backward(chunk, loss_fn) for chunk in chunks]
+                    tokens = [float(chunk.loss_mask.sum()) for chunk in chunks]
+                    train_metrics.append({**_combine_micro_metrics(micro, tokens), **backend.optim_step()})
             metrics.update(_mean_metrics(train_metrics))
             timings["time/train"] = time.perf_counter() - t
             if use_kl:
@@ -326,10 +339,22 @@ def _mini_batches(rows: int, count: int) -> list[list[int]]:
     return [list(range(bounds[i], bounds[i + 1])) for i in range(count)]
 
 
-def _combine_micro_metrics(records: list[dict[str, float]]) -> dict[str, float]:
-    """One mini-batch's metrics from its micro-batches': losses add up, the rest is averaged."""
-    out = _mean_metrics(records)
-    out["loss"] = sum(r.get("loss", 0.0) for r in records)
+def _combine_micro_metrics(records: list[dict[str, float]], tokens: list[float]) -> dict[str, float]:
+    """One mini-batch's metrics from its micro-batches': losses add up, ``*_max``/``*_min`` are the
+    extremes, the rest is averaged weighted by trained tokens."""
+    out: dict[str, float] = {}
+    for key in dict.fromkeys(k for r in records for k in r):
+        pairs = [(r[key], n) for r, n in zip(records, tokens) if key in r]
+        values = [v for v, _ in pairs]
+        if key == "loss":
+            out[key] = sum(values)
+        elif key.endswith("_max"):
+            out[key] = max(values)
+        elif key.endswith("_min"):
+            out[key] = min(values)
+        else:
+            total = sum(n for _, n in pairs)
+            out[key] = sum(v * n for v, n in pairs) / total if total else sum(values) / len(values)
     return out
 
 
