@@ -92,7 +92,7 @@ def test_load_advantage_estimator():
     adv, _ = est(rewards, torch.ones(3, 2), ["p", "p", "p"])
     assert adv[:, 0].tolist() == pytest.approx([1 - 4 / 3, -4 / 3, 3 - 4 / 3])  # mean 4/3, no std
     assert skyrl_core.load_advantage_estimator("reinforce++", gamma=0.5).options.gamma == 0.5
-    with pytest.raises(ConfigError, match=r"advantage_estimator:gae\.lam: 0\.0 is invalid: lam must be in \(0, 1\]"):
+    with pytest.raises(ConfigError, match=r"advantage_estimator:gae\.lam: 0 is invalid: lam must be in \(0, 1\]"):
         skyrl_core.load_advantage_estimator("gae", lam=0)
 
 
