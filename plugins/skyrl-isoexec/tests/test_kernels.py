@@ -48,16 +48,20 @@ def test_linear_rows_are_independent_of_their_batch(dtype, shape):
     assert int((bits(one) != bits(linear.linear(x, w))).sum()) == 0
 
 
-def test_linear_negative_control_and_single_block_identity():
-    x = torch.randn(60, 512, generator=_gen())
-    w = torch.randn(256, 512, generator=_gen(1))
-    assert _row_mismatch(lambda t: F.linear(t, w), x) > 0  # stock rows depend on the batch
-    # One block runs torch.mm, several run bmm: the kernel relies on their bits being equal.
-    block = linear.ROW_BLOCK[torch.float32]
-    xb = torch.randn(3 * block, 512, generator=_gen(2))
-    stacked = torch.bmm(xb.view(3, block, -1), w.t().unsqueeze(0).expand(3, -1, -1)).reshape(3 * block, -1)
-    single = torch.cat([torch.mm(xb[i * block : (i + 1) * block], w.t()) for i in range(3)])
-    assert int((bits(stacked) != bits(single)).sum()) == 0
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_negative_control_and_the_multiple_of_8_property(dtype):
+    x = torch.randn(1024, 512, generator=_gen()).to(dtype)
+    w = torch.randn(256, 512, generator=_gen(1)).to(dtype)
+    if dtype == torch.float32:
+        assert _row_mismatch(lambda t: F.linear(t, w), x[:60]) > 0  # stock rows depend on the batch
+    # What the kernel relies on: a GEMM over any multiple of 8 rows gives each row the bits of an
+    # 8-row GEMM, with 1 or 2 threads.
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for rows, offset in ((8, 0), (16, 8), (40, 200), (256, 16), (1024, 0)):
+            whole = torch.mm(x[offset : offset + rows], w.t())
+            blocks = torch.cat([torch.mm(x[offset + i : offset + i + 8], w.t()) for i in range(0, rows, 8)])
+            assert int((bits(whole) != bits(blocks)).sum()) == 0, (threads, rows)
 
 
 def test_linear_gradient_is_the_ordinary_one():

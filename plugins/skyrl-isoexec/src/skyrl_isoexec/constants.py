@@ -5,10 +5,10 @@ declared in that kernel's ``OpImplSpec`` (so it enters the contract hash). Chang
 contract: bump the op's version in ``specs.py`` too.
 """
 
-# Rows per GEMM block, by dtype: one fixed block shape per dtype (see kernels/linear.py).
-LINEAR_ROW_BLOCK = {"float32": 32, "bfloat16": 128}
+# GEMM rows are zero-padded to a multiple of this, then computed in one torch.mm (kernels/linear.py).
+LINEAR_ROW_ALIGN = 8
 LINEAR_MIN_COLUMNS = 8  # narrower weights are zero-padded to this many output columns
-LINEAR_KERNEL = {"float32": "bmm(stride-0 weight)", "bfloat16": "F.linear per block"}
+LINEAR_DTYPES = ("float32", "bfloat16")
 
 # Attention GEMM blocks (see kernels/attention.py).
 ATTENTION_QUERY_BLOCK = 16

@@ -18,15 +18,13 @@ CANONICAL: dict[str, OpImplSpec] = {
             constants={"kind": "gather"}, description="row gather (exact)",
         ),
         OpImplSpec(
-            name="isoexec.linear", op="linear", version="1", factory=f"{_K}.linear:linear",
+            name="isoexec.linear", op="linear", version="2", factory=f"{_K}.linear:linear",
             constants={
-                "row_block_float32": C.LINEAR_ROW_BLOCK["float32"],
-                "row_block_bfloat16": C.LINEAR_ROW_BLOCK["bfloat16"],
+                "row_align": C.LINEAR_ROW_ALIGN,
                 "min_columns": C.LINEAR_MIN_COLUMNS,
-                "kernel_float32": C.LINEAR_KERNEL["float32"],
-                "kernel_bfloat16": C.LINEAR_KERNEL["bfloat16"],
+                "kernel": "torch.mm (MKL sgemm / oneDNN bf16)",
             },
-            description="GEMM in fixed zero-padded row blocks: each row independent of the others",
+            description="GEMM over rows zero-padded to a multiple of 8: each row independent of the others",
         ),
         OpImplSpec(
             name="isoexec.rms_norm", op="rms_norm", version="1", factory=f"{_K}.elementwise:rms_norm",

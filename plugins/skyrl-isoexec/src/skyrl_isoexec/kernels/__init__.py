@@ -9,8 +9,8 @@ How each achieves it, in one line each (details in each module):
 - transcendental functions use only ops whose vectorised and scalar paths agree bit for bit
   (exp, log, log1p, rsqrt, cos, sin, division: measured), never ``sigmoid``/``silu``/``softplus``
   (whose vectorised tails differ);
-- GEMMs run in fixed-shape row blocks (``linear.ROW_BLOCK``), the one shape for which the BLAS
-  result of a row depends only on that row;
+- GEMMs run over rows zero-padded to a multiple of 8 (``linear``), for which the BLAS result of
+  a row depends only on that row;
 - attention scores and weighted sums use fixed-shape key blocks aligned at the sequence start.
 
 Each is one implementation, called by the transformers op sites (``skyrl_core.ops.hf``) and, as

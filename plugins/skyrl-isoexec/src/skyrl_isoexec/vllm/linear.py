@@ -40,8 +40,8 @@ def _linear_pieces(layer: torch.nn.Module) -> tuple[int, ...]:
 
 def _check_dtype(layer: torch.nn.Module) -> None:
     dtype = layer.weight.dtype
-    if dtype not in canonical.ROW_BLOCK:
-        allowed = ", ".join(str(d).removeprefix("torch.") for d in canonical.ROW_BLOCK)
+    if dtype not in canonical.SUPPORTED_DTYPES:
+        allowed = ", ".join(str(d).removeprefix("torch.") for d in canonical.SUPPORTED_DTYPES)
         raise ValueError(f"IsoExec: {type(layer).__name__} has {dtype} weights; canonical GEMMs run in {allowed}")
 
 
