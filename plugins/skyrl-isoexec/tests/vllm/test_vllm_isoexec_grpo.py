@@ -1,0 +1,88 @@
+"""A real GRPO run with ``engine.name=vllm`` (vLLM multiprocess, skyrl-fsdp trainer, arithmetic
+environment) and IsoExec on: the trainer-vs-rollout mismatch is exactly 0 at every step, also
+after optimizer steps and in-place weight syncs; with the old-logprob pass skipped (the IsoExec
+default) the trainer trusts the rollout logprobs; an altered engine contract refuses to start;
+IsoExec off shows the native mismatch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[4]
+TINY_QWEN3 = {
+    "model_type": "qwen3", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 512,
+}
+
+
+def _run(tmp_path: Path, monkeypatch, *, enabled: bool, skip: bool, steps: int = 3) -> list[dict]:
+    import yaml
+
+    from skyrl_core.config.loader import load_config
+    from skyrl_core.trainer.rl import train
+    from skyrl_isoexec import state
+
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    config = {
+        "model": {"config": TINY_QWEN3},
+        "engine": {"name": "vllm", "options": {"kv_cache_memory_bytes": 32 << 20, "max_model_len": 512}},
+        "backend": {"name": "fsdp"},
+        "environment": {"name": "arithmetic"},
+        "data": {"train": str(REPO / "examples" / "data" / "arithmetic" / "train.jsonl"), "prompts_per_step": 4},
+        "generation": {"max_new_tokens": 8, "n_samples": 4},
+        "trainer": {"steps": steps, "lr": 1e-2, "mini_batches": 2, "micro_batch_size": 5, "progress": False,
+                    "plot": False, "output_dir": str(tmp_path / "run")},
+        "isoexec": {"enabled": enabled, "skip_old_logprob_pass": skip},
+    }
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    previous = state.configure(None)
+    try:
+        train(load_config(str(path), []))
+    finally:
+        state.configure(previous)
+    return [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_grpo_with_vllm_logs_zero_mismatch_at_every_step(tmp_path, monkeypatch):
+    # The old-logprob pass kept at every step, to measure the mismatch at every step.
+    steps = [m for m in _run(tmp_path / "on", monkeypatch, enabled=True, skip=False) if "step" in m and m["step"] > 0]
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    assert [m["mismatch/abs_logprob_diff_max"] for m in steps] == [0.0, 0.0, 0.0]
+    assert all(m["mismatch/kl"] == 0.0 for m in steps)
+    off = [m for m in _run(tmp_path / "off", monkeypatch, enabled=False, skip=False) if "step" in m and m["step"] > 0]
+    assert max(m["mismatch/abs_logprob_diff_max"] for m in off) > 0  # negative control
+
+
+def test_grpo_with_vllm_skips_the_old_logprob_pass(tmp_path, monkeypatch):
+    steps = [m for m in _run(tmp_path / "skip", monkeypatch, enabled=True, skip=True) if "step" in m and m["step"] > 0]
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    assert steps[0]["mismatch/abs_logprob_diff_max"] == 0.0  # measured once, at step 1
+    # Later steps reuse the rollout logprobs as old logprobs: no trainer pass, nothing to compare.
+    assert all("mismatch/abs_logprob_diff_max" not in m for m in steps[1:])
+
+
+def test_grpo_refuses_to_start_when_the_engine_contract_is_altered(tmp_path, monkeypatch):
+    from skyrl_vllm.engine import VLLMEngine
+
+    original = VLLMEngine.execution_contract
+
+    def altered(self):
+        contract = original(self)
+        contract["ledger"]["attention@engine_decode"]["version"] = "2"  # one side's contract changed
+        return contract
+
+    monkeypatch.setattr(VLLMEngine, "execution_contract", altered)
+    with pytest.raises(Exception, match=r"refusing to sync weights(.|\n)*attention @ trainer_forward vs engine_decode"):
+        _run(tmp_path / "altered", monkeypatch, enabled=True, skip=True, steps=1)
+    assert not (tmp_path / "altered" / "run" / "metrics.jsonl").exists() or not any(
+        '"step": 1' in line for line in (tmp_path / "altered" / "run" / "metrics.jsonl").read_text().splitlines()
+    )
