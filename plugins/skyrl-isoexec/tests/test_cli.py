@@ -35,6 +35,8 @@ def test_verify_needs_exactly_one_model_source():
     assert result.returncode == 2 and "exactly one of --preset and --model" in result.stderr
     result = _skyrl("verify", "--preset", "gpt2")
     assert result.returncode == 2 and "qwen3-next" in result.stderr  # the allowed choices
+    result = _skyrl("verify", "--preset", "qwen3", "--engine", "nope")
+    assert result.returncode == 2 and "'nope' is not a registered inference engine" in result.stderr
 
 
 def test_contract_show_prints_json_and_hashes(tmp_path):

@@ -60,11 +60,17 @@ def verify_command(preset, model_dir, engine, dtype, seed, batches, off) -> None
     """Generate with the engine, score the same tokens in the trainer, compare bits; exit 1 if any differ."""
     if (preset is None) == (model_dir is None):
         raise click.UsageError("give exactly one of --preset and --model")
+    from skyrl_core.plugins.manager import PluginError
     from skyrl_isoexec.verify import verify
 
-    report = verify(
-        preset=preset, model_dir=model_dir, engine=engine, dtype=dtype, seed=seed, batches=batches, off=off, echo=click.echo
-    )
+    try:
+        report = verify(
+            preset=preset, model_dir=model_dir, engine=engine, dtype=dtype, seed=seed, batches=batches, off=off,
+            echo=click.echo,
+        )
+    except (NotImplementedError, ValueError, KeyError, PluginError) as exc:  # an engine or model that cannot run this
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
     if report.contract_problems and not off:
         click.echo("contract mismatch: the handshake would refuse this pair")
     sys.exit(1 if report.differing or (report.contract_problems and not off) else 0)
