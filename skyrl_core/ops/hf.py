@@ -204,14 +204,14 @@ def _causal_visible(tq: int, tk: int, device: Any):
 
 
 def _stock_attention(module, query, key, value, visible, scaling, dropout, **kwargs):
-    """The model's own attention implementation, given a boolean mask."""
+    """The model's own attention implementation, given a boolean (or an already additive) mask."""
     import torch
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     name = module._skyrl_stock_attention
     if name == "eager":
-        additive = None
-        if visible is not None:
+        additive = visible
+        if visible is not None and visible.dtype == torch.bool:
             additive = torch.zeros(visible.shape, dtype=query.dtype, device=query.device)
             additive.masked_fill_(~visible, torch.finfo(query.dtype).min)
         eager = sys.modules[type(module).__module__].eager_attention_forward
