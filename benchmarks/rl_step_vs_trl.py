@@ -1,0 +1,227 @@
+"""One GRPO step: skyrl vs TRL's ``GRPOTrainer`` on the same work, alternating, in one run.
+
+The work: SmolLM2-135M-Instruct (fp32, converted by ``skyrl_core.models.prepare_smollm2``),
+8 prompts x 8 samples per step, up to 32 new tokens sampled at temperature 1, the prompt
+"What is a + b? Answer with just the number." (a, b in 0..49) rewarded 1/0 for the right integer,
+one optimizer step per step (AdamW, same learning rate), 2 intra-op threads.
+
+skyrl runs ``skyrl_core.trainer.rl.train`` (skyrl-torch engine, FSDP2 backend, PPO-clip loss, GRPO
+advantages); TRL runs ``GRPOTrainer`` (HF ``generate``, ``num_iterations=1``, ``beta=0``). Blocks of
+``--steps`` steps alternate ``--rounds`` times (TRL, skyrl, TRL, skyrl, ...) so that a busy machine
+slows both alike; the first step of every block (warm-up) is not counted. A step's time is the
+wall time from sampling to the updated weights (for skyrl, including the weight sync to its engine).
+
+Before that, rollout throughput at batch 64 (64 different prompts, 32 new tokens): the skyrl-torch
+engine vs HF ``generate``, alternating ``--gen-repeats`` times.
+
+The last line prints both median step times and the ratio skyrl / TRL.
+
+    python benchmarks/rl_step_vs_trl.py [--rounds 2] [--steps 3] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+PROMPTS_PER_STEP = 8
+SAMPLES_PER_PROMPT = 8
+MAX_NEW_TOKENS = 32
+LEARNING_RATE = 1e-6
+
+
+def problems(count: int, seed: int) -> list[dict[str, Any]]:
+    from skyrl_envs.arithmetic import problem_row
+
+    rng = random.Random(seed)
+    return [problem_row(rng.randint(0, 49), rng.randint(0, 49), "+") for _ in range(count)]
+
+
+# --- rollout throughput -------------------------------------------------------------------------
+
+
+def generation_throughput(model_dir: str, repeats: int) -> tuple[float, float]:
+    """Median generated tokens/s at batch 64: (skyrl-torch engine, HF generate)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from skyrl_core.config.schema import ModelConfig
+    from skyrl_core.models import load_tokenizer
+    from skyrl_core.rollout import ChatCodec
+    from skyrl_core.types import GenerationRequest, SamplingParams
+    from skyrl_torch.engine import TorchEngine
+
+    model_config = ModelConfig(path=model_dir)
+    codec = ChatCodec(load_tokenizer(model_config))
+    prompts = [codec.render_prompt(row["prompt"]) for row in problems(64, seed=1)]
+    eos = codec.eos_token_id
+    engine = TorchEngine(model_config, None, seed=0)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    width = max(map(len, prompts))
+    input_ids = torch.tensor([[codec.pad_token_id] * (width - len(p)) + p for p in prompts])
+    attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+
+    def run_engine(seed: int) -> int:
+        params = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=1.0, seed=seed, stop_token_ids=(eos,))
+        out = engine.generate([GenerationRequest(request_id=str(i), prompt_token_ids=p, sampling=params) for i, p in enumerate(prompts)])
+        return sum(len(s[0].token_ids) for s in out)
+
+    def run_hf(seed: int) -> int:
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            out = hf.generate(input_ids=input_ids, attention_mask=attention, do_sample=True, temperature=1.0, top_k=0,
+                              top_p=1.0, max_new_tokens=MAX_NEW_TOKENS, eos_token_id=eos, pad_token_id=codec.pad_token_id)
+        new = out[:, width:].tolist()
+        return sum(row.index(eos) + 1 if eos in row else len(row) for row in new)
+
+    rates: dict[str, list[float]] = {"skyrl": [], "hf": []}
+    for repeat in range(repeats + 1):  # the first round warms up
+        for name, fn in (("skyrl", run_engine), ("hf", run_hf)):
+            started = time.perf_counter()
+            tokens = fn(repeat)
+            if repeat:
+                rates[name].append(tokens / (time.perf_counter() - started))
+    engine.close()
+    del hf
+    gc.collect()
+    return statistics.median(rates["skyrl"]), statistics.median(rates["hf"])
+
+
+# --- one block of RL steps per framework ------------------------------------------------------
+
+
+def skyrl_block(model_dir: str, data_path: str, steps: int, out_dir: str, seed: int) -> list[float]:
+    """Step times (s) of a fresh ``steps``-step skyrl run."""
+    from skyrl_core.config.loader import structure_config
+    from skyrl_core.trainer.rl import train
+
+    cfg = structure_config({
+        "model": {"path": model_dir},
+        "engine": "torch",
+        "backend": {"name": "fsdp", "options": {"mixed_precision": "fp32"}},
+        "environment": "arithmetic",
+        "algorithm": {"policy_loss": "ppo", "advantage": "grpo", "loss_reduction": "token_mean"},
+        "data": {"train": data_path, "prompts_per_step": PROMPTS_PER_STEP},
+        "generation": {"n_samples": SAMPLES_PER_PROMPT, "max_new_tokens": MAX_NEW_TOKENS, "temperature": 1.0},
+        "trainer": {"steps": steps, "lr": LEARNING_RATE, "mini_batches": 1, "micro_batch_size": 16, "seed": seed,
+                    "output_dir": out_dir, "plot": False, "progress": False},
+    })
+    result = train(cfg)
+    return [r["time/step"] for r in result.history if "time/step" in r]
+
+
+def trl_block(model_dir: str, rows: list[dict[str, Any]], steps: int, out_dir: str, seed: int) -> list[float]:
+    """Step times (s) of a fresh ``steps``-step TRL ``GRPOTrainer`` run."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from skyrl_envs.arithmetic import parse_integer_answer
+
+    def correct(completions: list[Any], answer: list[str], **_: Any) -> list[float]:
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [float(parse_integer_answer(t) == int(a)) for t, a in zip(texts, answer)]
+
+    class StepTimer(TrainerCallback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self._started = 0.0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self._started = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.times.append(time.perf_counter() - self._started)
+
+    dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["reward_spec"]["ground_truth"]} for r in rows])
+    config = GRPOConfig(
+        output_dir=out_dir, max_steps=steps, learning_rate=LEARNING_RATE, seed=seed,
+        per_device_train_batch_size=PROMPTS_PER_STEP * SAMPLES_PER_PROMPT, num_generations=SAMPLES_PER_PROMPT,
+        gradient_accumulation_steps=1, num_iterations=1, beta=0.0, temperature=1.0,
+        max_completion_length=MAX_NEW_TOKENS, use_vllm=False, use_cpu=True, bf16=False,
+        logging_strategy="no", report_to="none", save_strategy="no", dataloader_num_workers=0, disable_tqdm=True,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32")
+    timer = StepTimer()
+    trainer = GRPOTrainer(model=model, reward_funcs=correct, args=config, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[timer])
+    trainer.train()
+    del trainer, model
+    gc.collect()
+    return timer.times
+
+
+def trl_problem() -> str | None:
+    """Why TRL cannot run here, or None."""
+    if importlib.util.find_spec("trl") is None:
+        return "TRL is not installed (pip install trl datasets: pick a version that keeps this torch and transformers)"
+    try:
+        import trl  # noqa: F401
+        from trl import GRPOTrainer  # noqa: F401
+    except Exception as exc:  # a TRL incompatible with the installed transformers
+        return f"TRL does not import with this transformers: {type(exc).__name__}: {exc}"
+    return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=2, help="TRL/skyrl block pairs")
+    parser.add_argument("--steps", type=int, default=3, help="steps per block (the first is warm-up)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--gen-repeats", type=int, default=2)
+    args = parser.parse_args()
+    if args.steps < 2:
+        parser.error("--steps must be >= 2 (the first step of each block is warm-up)")
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import torch
+
+    from skyrl_core.data import write_jsonl
+    from skyrl_core.models import prepare_smollm2
+
+    torch.set_num_threads(args.threads)
+    model_dir = prepare_smollm2()
+    work = tempfile.mkdtemp(prefix="skyrl-bench-trl-")
+    rows = problems(PROMPTS_PER_STEP * args.steps * args.rounds * 2, seed=0)
+    data_path = str(write_jsonl(rows, os.path.join(work, "train.jsonl")))
+    print(f"SmolLM2-135M-Instruct fp32, {PROMPTS_PER_STEP} prompts x {SAMPLES_PER_PROMPT} samples, "
+          f"{MAX_NEW_TOKENS} new tokens, {torch.get_num_threads()} threads", flush=True)
+
+    engine_rate, hf_rate = generation_throughput(model_dir, args.gen_repeats)
+    print(f"rollout tokens/s at batch 64: skyrl-torch {engine_rate:.0f}, HF generate {hf_rate:.0f}, "
+          f"ratio {engine_rate / hf_rate:.1f}x", flush=True)
+
+    problem = trl_problem()
+    skyrl_times: list[float] = []
+    trl_times: list[float] = []
+    for round_index in range(args.rounds):
+        if problem is None:
+            times = trl_block(model_dir, rows, args.steps, os.path.join(work, f"trl{round_index}"), seed=round_index)
+            trl_times += times[1:]
+            print(f"round {round_index}: TRL step times {[round(t, 1) for t in times]} s", flush=True)
+        times = skyrl_block(model_dir, data_path, args.steps, os.path.join(work, f"skyrl{round_index}"), seed=round_index)
+        skyrl_times += times[1:]
+        print(f"round {round_index}: skyrl step times {[round(t, 1) for t in times]} s", flush=True)
+
+    skyrl_median = statistics.median(skyrl_times)
+    if problem is not None:
+        print(f"TRL not measured: {problem}")
+        print(f"median step time: skyrl {skyrl_median:.2f} s, TRL n/a ({problem.split(':')[0]}); ratio n/a")
+        sys.exit(1)
+    trl_median = statistics.median(trl_times)
+    print(f"median step time: skyrl {skyrl_median:.2f} s, TRL {trl_median:.2f} s; "
+          f"ratio skyrl/TRL {skyrl_median / trl_median:.3f} (target <= 0.333)")
+
+
+if __name__ == "__main__":
+    main()
