@@ -13,6 +13,7 @@ from skyrl_core.testing.backend_contract import (
     assert_weights_bitwise_equal,
     bits,
     make_batch,
+    mean_logprob_loss,
     random_sequences,
 )
 from skyrl_megatron.backend import MegatronBackend
@@ -151,3 +152,23 @@ def test_hf_to_expert_parallel_2_to_hf_is_bit_exact(ray_session):
     expected = load_causal_lm(model, seed=0).state_dict()
     with MegatronBackend(model, MegatronOptions(world_size=2, expert_parallel=2), seed=0) as backend:
         assert_weights_bitwise_equal(dict(backend.export_weights()), dict(expected))
+
+
+def test_replicated_weights_stay_identical_across_tensor_parallel_ranks(ray_session):
+    """Norm weights are replicated on both ranks; Qwen3's per-head q/k norms see only each rank's
+    heads, so unless their gradients are summed across ranks the copies drift apart."""
+    import ray
+
+    batch = make_batch(*random_sequences(PROMPT_LENGTHS, RESPONSE_LENGTHS, vocab_size=512))
+    trainer = TrainerConfig(lr=1e-2, micro_batch_size=4)
+    with MegatronBackend(ModelConfig(config=dict(TINY_QWEN3)), MegatronOptions(tensor_parallel=2), trainer=trainer) as backend:
+        before = ray.get(backend._actors[0]._local_weights.remote())
+        for _ in range(2):
+            backend.forward_backward(batch, mean_logprob_loss)
+            backend.optim_step()
+        rank_0, rank_1 = ray.get([actor._local_weights.remote() for actor in backend._actors])
+    replicated = [name for name in rank_0 if "norm" in name]
+    assert any("q_layernorm" in name for name in replicated)
+    for name in replicated:
+        assert not torch.equal(rank_0[name], before[name]), f"{name} did not train"
+        assert torch.equal(bits(rank_0[name]), bits(rank_1[name])), f"{name} differs between the ranks"

@@ -32,7 +32,11 @@ def _decay_groups(params: list[torch.nn.Parameter], weight_decay: float) -> list
 class ShardedAdamW:
     """Expert parameters (``...local_experts...``) are split across expert-parallel ranks: their
     gradients are summed over the expert-data-parallel group only, and their norm over the
-    expert tensor-and-expert-parallel group."""
+    expert tensor-and-expert-parallel group.
+
+    Per-head q/k norm weights are replicated but each tensor-parallel rank applies them to its own
+    heads only, so each rank holds part of their gradient: it is summed across the tensor-parallel
+    group (as megatron's ``finalize_model_grads`` does)."""
 
     def __init__(
         self,
@@ -49,6 +53,7 @@ class ShardedAdamW:
         self.params = [p for _, p in named]
         self.expert_params = [p for n, p in named if ".local_experts." in n]
         self.dense_params = [p for n, p in named if ".local_experts." not in n]
+        self.head_norm_params = [p for n, p in named if n.endswith(("q_layernorm.weight", "k_layernorm.weight"))]
         self.grad_clip = grad_clip
         self.tp_group, self.dp_group = tp_group, dp_group
         self.expert_dp_group, self.expert_shard_group = expert_dp_group, expert_shard_group
@@ -88,6 +93,7 @@ class ShardedAdamW:
         return math.sqrt(float(sharded + replicated + experts))
 
     def step(self, lr: float) -> float:
+        self._sum_grads(self.head_norm_params, self.tp_group)
         self._sum_grads(self.dense_params, self.dp_group)
         self._sum_grads(self.expert_params, self.expert_dp_group)
         norm = self.grad_norm()
@@ -133,7 +139,10 @@ class MegatronAdam:  # pragma: no cover - needs CUDA; exercised by scripts/gpu_m
         self.optimizer = get_megatron_optimizer(config, [ddp_model])
 
     def step(self, lr: float) -> float:
-        self.ddp_model.finish_grad_sync()
+        from megatron.core.distributed import finalize_model_grads
+
+        # Replica all-reduce, plus the tensor-parallel sum of q/k norm gradients.
+        finalize_model_grads([self.ddp_model])
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         _, grad_norm, _ = self.optimizer.step()
