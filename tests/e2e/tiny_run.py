@@ -20,13 +20,14 @@ from skyrl_core.plugins import hookimpl
 from tests.rollout.envs import TINY_QWEN3, TestEnvironments, prompt_rows
 
 
-def write_tiny_config(directory: Path, **trainer: Any) -> Path:
-    """Data and a config for a fast, learnable fp32 GRPO run; returns the config path."""
-    write_jsonl(prompt_rows(64, "digits"), directory / "train.jsonl")
-    write_jsonl(prompt_rows(16, "digits"), directory / "eval.jsonl")
+def write_tiny_config(directory: Path, env: str = "digits", **trainer: Any) -> Path:
+    """Data and a config for a fast fp32 GRPO run (``digits``: a task the tiny model learns);
+    returns the config path."""
+    write_jsonl(prompt_rows(64, env), directory / "train.jsonl")
+    write_jsonl(prompt_rows(16, env), directory / "eval.jsonl")
     config = {
         "model": {"config": TINY_QWEN3},
-        "environment": "digits",
+        "environment": env,
         "data": {"train": str(directory / "train.jsonl"), "eval": str(directory / "eval.jsonl"), "prompts_per_step": 8},
         "generation": {"max_new_tokens": 8, "n_samples": 8, "eval_temperature": 1.0},
         "algorithm": {"policy_loss": "ppo", "advantage": "grpo"},
