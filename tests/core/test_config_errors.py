@@ -24,7 +24,7 @@ BAD_CONFIGS: dict[str, tuple[str | None, list[str]]] = {
     "typo_in_nested_key": (TINY_MODEL + "trainer: {lrr: 1.0e-5}\n", []),
     "wrong_type": (TINY_MODEL + "trainer: {steps: ten}\n", []),
     "unknown_engine_name": (TINY_MODEL + "engine: {name: vlm}\n", []),
-    "bad_option_of_a_plugin": (TINY_MODEL + "engine: {name: torch, options: {max_batch_sizee: 8}}\n", []),
+    "bad_option_of_a_plugin": (TINY_MODEL + "algorithm: {policy_loss: {name: ppo, options: {eps_lw: 0.1}}}\n", []),
     "missing_file": (None, []),
     "invalid_yaml": (TINY_MODEL + "trainer: {steps: 3\n", []),
     "value_not_allowed": (TINY_MODEL + "algorithm: {loss_reduction: token-mean}\n", []),
