@@ -17,6 +17,8 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 import attrs  # noqa: E402
 import ray  # noqa: E402
 
+from skyrl_core.local_ray import ensure_local_ray  # noqa: E402
+
 READY_TIMEOUT_S = 300
 
 # Idle hosts per (Ray node id of this session, uses a GPU): a new Ray session never sees old ones.
@@ -24,15 +26,8 @@ _idle_hosts: dict[tuple[str, bool], list[Any]] = {}
 
 
 def ensure_ray(num_cpus: int) -> None:
-    """Use the running Ray session, or start a local one (no dashboard, loopback only)."""
-    if ray.is_initialized():
-        return
-    ray.init(
-        address="local",
-        include_dashboard=False,
-        num_cpus=max(num_cpus, os.cpu_count() or 1),
-        runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}},
-    )
+    """Use the running Ray session, or start a local one on loopback (see skyrl_core.local_ray)."""
+    ensure_local_ray(num_cpus)
 
 
 class RankHost:

@@ -12,21 +12,16 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import ray  # noqa: E402
 
+from skyrl_core.local_ray import ensure_local_ray  # noqa: E402
+
 from skyrl_megatron.rank import MegatronRank  # noqa: E402
 
 READY_TIMEOUT_S = 300
 
 
 def ensure_ray(num_cpus: int) -> None:
-    """Join the running Ray session, or start a local one on loopback without a dashboard."""
-    if ray.is_initialized():
-        return
-    ray.init(
-        address="local",
-        include_dashboard=False,
-        num_cpus=max(num_cpus, os.cpu_count() or 1),
-        runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}},
-    )
+    """Use the running Ray session, or start a local one on loopback (see skyrl_core.local_ray)."""
+    ensure_local_ray(num_cpus)
 
 
 def _free_port() -> int:
