@@ -66,7 +66,9 @@ class SandboxResult:
 def run_python(program: str, stdin: str = "", limits: SandboxLimits = SandboxLimits(), *,
                python: str | None = None) -> SandboxResult:
     """Run ``program`` (Python source) as ``/tmp/main.py`` in a fresh sandbox, ``stdin`` on stdin."""
-    python = python or sys.executable
+    # The base interpreter, not the venv's: the program needs only the stdlib, and a venv may live
+    # under /tmp (a CI clone), which the sandbox replaces with its private tmpfs.
+    python = python or os.path.realpath(sys.executable)
     stage = tempfile.mkdtemp(prefix="skyrl-sandbox-")
     status_read, status_write = os.pipe()
     process: subprocess.Popen | None = None
@@ -125,7 +127,7 @@ def run_python(program: str, stdin: str = "", limits: SandboxLimits = SandboxLim
 
 
 def _launcher_config(program: str, python: str, limits: SandboxLimits) -> dict:
-    expose = sorted({os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, os.path.dirname(os.path.realpath(python)))})
+    expose = sorted({os.path.realpath(p) for p in (sys.base_prefix, os.path.dirname(os.path.realpath(python)))})
     return {
         "program": program,
         "python": python,
