@@ -1,8 +1,10 @@
 """IsoExec on vs off, side by side in one run: engine tokens/s, trainer step time, and the trainer
 step with the old-logprob pass skipped (what a verified contract allows).
 
-The model is SmolLM2-135M-Instruct (fp32, converted by ``skyrl_core.models.prepare_smollm2``) or,
-with ``--preset``, a tiny random model of an IsoExec preset family. The skyrl-torch engine samples
+The model is a random Qwen3 of SmolLM2's width (hidden 576, 9/3 heads of 64, MLP 1536) with 4
+layers and a 8192-token vocabulary (``--preset`` picks a tiny IsoExec preset instead,
+``--smollm2`` the real SmolLM2-135M-Instruct: 30 layers, 49152 tokens, about 5 GB for the four
+runtimes). The skyrl-torch engine samples
 ``--batch`` prompts (16-48 random tokens) for ``--max-new-tokens`` tokens; the FSDP trainer
 (world size 1) then runs one step on those samples:
 
@@ -12,7 +14,7 @@ with ``--preset``, a tiny random model of an IsoExec preset family. The skyrl-to
 On and off alternate ``--repeats`` times after one warm-up each, so that a busy machine slows both
 alike; medians are compared. Targets (issue 6): on/off <= 1.10x, and (on with skip)/(off) <= 1.0x.
 
-    python benchmarks/isoexec_on_off.py [--preset qwen3] [--repeats 3] [--threads 2] [--batch 16]
+    python benchmarks/isoexec_on_off.py [--preset qwen3 | --smollm2] [--repeats 3] [--threads 2] [--batch 16]
 """
 
 from __future__ import annotations
@@ -23,9 +25,17 @@ import statistics
 import time
 
 
+BENCH_MODEL = {
+    "model_type": "qwen3", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 4,
+    "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 8192,
+    "max_position_embeddings": 1024, "tie_word_embeddings": True,
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--preset", default=None, help="an IsoExec preset family instead of SmolLM2-135M")
+    parser.add_argument("--preset", default=None, help="a tiny IsoExec preset family instead")
+    parser.add_argument("--smollm2", action="store_true", help="SmolLM2-135M-Instruct instead")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
@@ -46,11 +56,14 @@ def main() -> None:
 
         model = ModelConfig(config=preset(args.preset), dtype=args.dtype)
         name = f"preset {args.preset}"
-    else:
+    elif args.smollm2:
         from skyrl_core.models import prepare_smollm2
 
         model = ModelConfig(path=prepare_smollm2(), dtype=args.dtype)
         name = "SmolLM2-135M-Instruct"
+    else:
+        model = ModelConfig(config=BENCH_MODEL, dtype=args.dtype)
+        name = "Qwen3 576x4 (random)"
     runtimes = {}
     for label, on in (("off", False), ("on", True)):
         with state.enabled_scope(on):

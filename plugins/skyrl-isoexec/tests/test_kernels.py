@@ -148,6 +148,19 @@ def test_attention_prefill_equals_decode_with_padding_and_longer_caches(dtype):
             assert int((bits(step[0, 0]) != bits(full[b, t])).sum()) == 0, (b, t)
 
 
+def test_score_gemm_property_the_attention_relies_on():
+    """[rows, D] @ [D, slots] with rows a multiple of 8 and slots of 64 gives every (row, key) the
+    bits of an 8 x 64 GEMM, for any batch count and 1 or 2 threads."""
+    g = _gen()
+    q, k = torch.randn(5, 64, 64, generator=g), torch.randn(5, 64, 512, generator=g)
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        tiles = torch.cat([torch.bmm(q[:, :8], k[:, :, j : j + 64]) for j in range(0, 512, 64)], dim=-1)
+        for rows, slots, batch in ((8, 64, 1), (16, 128, 5), (64, 512, 5), (24, 192, 2)):
+            whole = torch.bmm(q[:batch, :rows], k[:batch, :, :slots])[:, :8]
+            assert int((bits(whole) != bits(tiles[:batch, :, :slots])).sum()) == 0, (threads, rows, slots, batch)
+
+
 def test_attention_threads_and_negative_control():
     q, k, v = _attention_inputs(torch.float32, batch=1, steps=70)
     visible = _causal(1, 70, 70)

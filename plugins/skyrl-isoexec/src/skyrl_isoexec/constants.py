@@ -10,8 +10,8 @@ LINEAR_ROW_ALIGN = 8
 LINEAR_MIN_COLUMNS = 8  # narrower weights are zero-padded to this many output columns
 LINEAR_DTYPES = ("float32", "bfloat16")
 
-# Attention GEMM blocks (see kernels/attention.py).
-ATTENTION_QUERY_BLOCK = 16
+# Attention GEMMs (see kernels/attention.py): query rows padded to a multiple of 8, keys in blocks.
+ATTENTION_ROW_ALIGN = 8
 ATTENTION_KEY_BLOCK = 64
 
 # Positions per rotary cos/sin table block (see kernels/elementwise.py).

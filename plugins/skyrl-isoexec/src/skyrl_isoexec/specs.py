@@ -37,12 +37,12 @@ CANONICAL: dict[str, OpImplSpec] = {
             description="one shared fp32 cos/sin table, built in fixed position blocks",
         ),
         OpImplSpec(
-            name="isoexec.attention", op="attention", version="1", factory=f"{_K}.attention:attention",
+            name="isoexec.attention", op="attention", version="2", factory=f"{_K}.attention:attention",
             constants={
-                "query_block": C.ATTENTION_QUERY_BLOCK,
+                "row_align": C.ATTENTION_ROW_ALIGN,
                 "key_block": C.ATTENTION_KEY_BLOCK,
                 "softmax": "fp32, exact max, halving-tree sum",
-                "combine": "fixed-shape block GEMMs, halving tree over key blocks",
+                "combine": "one GEMM per key block, halving tree over key blocks",
             },
             description="reduces over exactly the visible keys in fixed blocks aligned at the sequence start",
         ),

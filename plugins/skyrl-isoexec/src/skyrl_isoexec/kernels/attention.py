@@ -5,12 +5,14 @@ the sequence: left padding is skipped; a KV cache indexed by position needs no s
 must then see a prefix ``[0, n)`` of the keys (causal attention over padded batches and KV caches;
 anything else is refused). In that frame:
 
-- scores come from fixed-shape GEMMs ``[QUERY_BLOCK, D] @ [D, KEY_BLOCK]`` (one row of a fixed
-  block depends only on that row: see ``linear``), scaled, in fp32;
+- scores come from one GEMM per kv head, ``[rows, D] @ [D, slots]``, with the query rows padded
+  to a multiple of 8 and the key slots to a power-of-two number of ``KEY_BLOCK`` blocks: measured
+  (and tested), such a GEMM gives every (row, key) the bits it gets in an 8 x 64 GEMM, so a
+  score depends only on its query and key, in fp32;
 - softmax subtracts the exact max, exponentiates, and sums with ``tree_sum`` over the key slots
   padded to a power of two, so keys a query cannot see (masked: exact zeros) never change the sum;
-- the weighted sum of values is one fixed-shape GEMM per key block (``[QUERY_BLOCK, KEY_BLOCK] @
-  [KEY_BLOCK, D]``), the block partials combined by ``tree_sum``.
+- the weighted sum of values is one GEMM per key block (``[rows, KEY_BLOCK] @ [KEY_BLOCK, D]``: the
+  reduction length is fixed), the block partials combined by ``tree_sum``.
 
 So a query's output depends only on its query vector and its visible keys/values: identical for
 a full forward over a padded batch and for one decode step against a KV cache of any length.
@@ -22,8 +24,8 @@ import torch
 
 from skyrl_isoexec.kernels.reduce import next_power_of_two, tree_sum
 
-QUERY_BLOCK = 16
-KEY_BLOCK = 64
+from skyrl_isoexec.constants import ATTENTION_KEY_BLOCK as KEY_BLOCK
+from skyrl_isoexec.constants import ATTENTION_ROW_ALIGN as ROW_ALIGN
 
 
 def _as_visible(mask: torch.Tensor) -> torch.Tensor:
@@ -79,24 +81,19 @@ def attention(
 
     kv_blocks = next_power_of_two(-(-tk // KEY_BLOCK))
     slots = kv_blocks * KEY_BLOCK
-    # Query rows per kv head: [B, Hkv, rep * Tq, D], padded to whole row blocks.
-    q = query.float().reshape(batch, kv_heads, rep * tq, dim)
+    # Query rows per kv head: [B*Hkv, rows, D], rows padded to a multiple of ROW_ALIGN.
     rows = rep * tq
-    q_blocks = -(-rows // QUERY_BLOCK)
-    q = _pad_dim(q, 2, q_blocks * QUERY_BLOCK).view(batch, kv_heads, q_blocks, 1, QUERY_BLOCK, dim)
-    k = _pad_dim(key.float(), 2, slots).view(batch, kv_heads, 1, kv_blocks, KEY_BLOCK, dim)
-    v = _pad_dim(value.float(), 2, slots).view(batch, kv_heads, 1, kv_blocks, KEY_BLOCK, dim)
-    grid = (batch, kv_heads, q_blocks, kv_blocks)
+    padded_rows = -(-rows // ROW_ALIGN) * ROW_ALIGN
+    q = _pad_dim(query.float().reshape(batch * kv_heads, rows, dim), 1, padded_rows)
+    k = _pad_dim(key.float().reshape(batch * kv_heads, tk, dim), 1, slots)
+    v = _pad_dim(value.float().reshape(batch * kv_heads, tk, dim), 1, slots)
 
-    scores = torch.bmm(
-        q.expand(*grid, QUERY_BLOCK, dim).reshape(-1, QUERY_BLOCK, dim),
-        k.expand(*grid, KEY_BLOCK, dim).transpose(-1, -2).reshape(-1, dim, KEY_BLOCK),
-    ).view(*grid, QUERY_BLOCK, KEY_BLOCK)
-    scores = scores.permute(0, 1, 2, 4, 3, 5).reshape(batch, kv_heads, q_blocks * QUERY_BLOCK, slots) * scaling
+    # Scores: one GEMM per kv head, [rows, D] @ [D, slots]; rows a multiple of 8, slots of 64.
+    scores = torch.bmm(q, k.transpose(1, 2)).view(batch, kv_heads, padded_rows, slots) * scaling
 
     # Visible slots per row: rows are (rep, Tq) flattened; counts are per (B, Tq).
     row_counts = counts[:, None, :].expand(batch, rep, tq).reshape(batch, 1, rows)
-    row_counts = _pad_dim(row_counts, 2, q_blocks * QUERY_BLOCK)
+    row_counts = _pad_dim(row_counts, 2, padded_rows)
     seen = torch.arange(slots, device=scores.device)[None, None, None, :] < row_counts[..., None]
     scores = scores.masked_fill(~seen, float("-inf"))
     top = scores.amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)  # finite for empty rows
@@ -104,13 +101,12 @@ def attention(
     total = tree_sum(weights)
     weights = weights / torch.where(total > 0, total, 1.0).unsqueeze(-1)
 
+    # Weighted values: one GEMM per key block, [rows, KEY_BLOCK] @ [KEY_BLOCK, D], block partials
+    # combined by a halving tree.
+    blocks = weights.view(batch * kv_heads, padded_rows, kv_blocks, KEY_BLOCK).transpose(1, 2)
     partial = torch.bmm(
-        weights.view(batch, kv_heads, q_blocks, QUERY_BLOCK, kv_blocks, KEY_BLOCK)
-        .permute(0, 1, 2, 4, 3, 5)
-        .reshape(-1, QUERY_BLOCK, KEY_BLOCK),
-        v.expand(*grid, KEY_BLOCK, dim).reshape(-1, KEY_BLOCK, dim),
-    ).view(*grid, QUERY_BLOCK, dim)
-    out = tree_sum(partial, dim=3)  # over key blocks -> [B, Hkv, q_blocks, QUERY_BLOCK, D]
-    out = out.reshape(batch, kv_heads, q_blocks * QUERY_BLOCK, dim)[:, :, :rows]
+        blocks.reshape(-1, padded_rows, KEY_BLOCK), v.view(batch * kv_heads * kv_blocks, KEY_BLOCK, dim)
+    ).view(batch * kv_heads, kv_blocks, padded_rows, dim)
+    out = tree_sum(partial, dim=1)[:, :rows]  # [B*Hkv, rows, D]
     out = out.reshape(batch, heads, tq, dim).transpose(1, 2)
     return out.to(query.dtype).contiguous()
