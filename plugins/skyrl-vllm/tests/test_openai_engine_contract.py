@@ -49,13 +49,26 @@ class TestOpenAIEngineOnVLLMServe(EngineContract):
         assert worker["pid"] in {p.pid for p in server_processes(engine)}
         assert contract["ledger"]["attention@engine_prefill"]["impl"] == "torch.attention"
 
-    def test_close_is_idempotent(self, engine_factory, model_config, prompts):
-        """The suite's check, plus: the server and every process it started are gone."""
+    @pytest.fixture(scope="class")
+    @classmethod
+    def engine(cls, engine_factory, model_config):
+        """The suite's shared engine; closing it must stop the server and every process it started
+        (checked here rather than by starting a second server: each start takes minutes on CI)."""
         engine = engine_factory(model_config, MODEL_SEED)
         processes = server_processes(engine)
         assert len(processes) >= 3  # API server, engine core, worker
-        assert engine.generate([request(prompts[3], "c", max_tokens=2, seed=0)])[0][0].token_ids
-        engine.close()
+        yield engine
         engine.close()
         gone, alive = psutil.wait_procs(processes, timeout=30)
-        assert alive == []
+        assert alive == [], f"vllm serve processes left running: {alive}"
+
+    def test_close_is_idempotent(self, engine, model_config, prompts):
+        """On an engine attached to the shared server by URL (the launched one is closed, and its
+        processes checked, when the class ends)."""
+        remote = OpenAIEngine(model_config, OpenAIOptions(base_url=engine.root_url + "/v1"))
+        assert remote.generate([request(prompts[3], "c", max_tokens=2, seed=0)])[0][0].token_ids
+        remote.close()
+        remote.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            remote.generate([request(prompts[3], "c", max_tokens=2)])
+        assert engine.generate([request(prompts[3], "c", max_tokens=2, seed=0)])[0][0].token_ids  # server untouched

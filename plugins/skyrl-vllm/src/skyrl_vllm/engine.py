@@ -116,7 +116,7 @@ class VLLMEngine:
         from vllm.platforms import current_platform
 
         self.dtype = self.options.dtype or model.dtype
-        self.vllm_version = vllm.__version__
+        self.vllm_version = str(vllm.__version__)
         self.device = "cpu" if current_platform.is_cpu() else str(current_platform.device_type)
         self.sleep_supported = bool(current_platform.is_sleep_mode_available())
         model_dir, tokenizer_dir = materialize_model(model, seed=self.seed, parent_dir=self._workdir)
@@ -159,14 +159,14 @@ class VLLMEngine:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load the trainer's weights (HF names, a full set) in place; then drop cached prefixes."""
         llm = self._running()
-        tensors = [(name, t.detach().to("cpu").contiguous()) for name, t in named_tensors]
+        tensors = [(name, t.detach()) for name, t in named_tensors]
         if not tensors:
             raise ValueError("update_weights got no tensors")
         # Checked here: a bad tensor inside vLLM's layerwise reload would leave the model half-loaded.
         check_weights(tensors, self._weight_shapes)
         if self.options.multiprocess:
             # Tensors passed through collective_rpc arrive garbled in vLLM's worker process: send a file.
-            path = write_weights_file(tensors, self._workdir)
+            path = write_weights_file([(n, t.to("cpu").contiguous()) for n, t in tensors], self._workdir)
             try:
                 loaded = llm.collective_rpc("skyrl_load_weights", args=(path,))
             finally:
