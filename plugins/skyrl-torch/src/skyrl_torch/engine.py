@@ -106,7 +106,8 @@ class TorchEngine:
         """Copy each tensor into the parameter or buffer of that Hugging Face name, in place.
 
         Raises ``KeyError`` for a name the model does not have and ``ValueError`` for a shape that
-        differs; tensors before the bad one are already loaded. Cached keys/values are dropped.
+        differs; tensors before the bad one are already loaded. No keys/values outlive a
+        ``generate`` call, so no cached prefix can go stale.
         """
         self._check_open()
         with torch.no_grad():
@@ -115,15 +116,15 @@ class TorchEngine:
                 if target is None:
                     target = self._buffers.get(name)
                 if target is None:
-                    close = [n for n in self._params if n.endswith(name.split(".")[-1])][:3]
-                    raise KeyError(f"update_weights: the model has no parameter {name!r} (e.g. {', '.join(close)})")
+                    similar = [n for n in self._params if n.endswith(name.split(".")[-1])] or list(self._params)
+                    raise KeyError(
+                        f"update_weights: the model has no parameter or buffer {name!r}; it has e.g. {', '.join(similar[:3])}"
+                    )
                 if tuple(tensor.shape) != tuple(target.shape):
                     raise ValueError(
                         f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
                     )
                 target.copy_(tensor)
-        if self._cache is not None:  # nothing outlives a generate call, but keep the promise explicit
-            self._cache = None
 
     def execution_contract(self) -> dict[str, Any]:
         return {
