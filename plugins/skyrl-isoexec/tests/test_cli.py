@@ -30,6 +30,7 @@ def test_verify_reports_zero_and_off_shows_the_native_mismatch():
     assert differing > 0
 
 
+@pytest.mark.slow
 def test_verify_needs_exactly_one_model_source():
     result = _skyrl("verify")
     assert result.returncode == 2 and "exactly one of --preset and --model" in result.stderr
@@ -39,6 +40,7 @@ def test_verify_needs_exactly_one_model_source():
     assert result.returncode == 2 and "'nope' is not a registered inference engine" in result.stderr
 
 
+@pytest.mark.slow
 def test_contract_show_prints_json_and_hashes(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text("model:\n  config: {model_type: qwen3, vocab_size: 512, hidden_size: 64}\nisoexec:\n  enabled: true\n")
@@ -54,6 +56,7 @@ def test_contract_show_prints_json_and_hashes(tmp_path):
     assert off.returncode == 0 and "isoexec is off for this config" in off.stdout
 
 
+@pytest.mark.slow
 def test_trace_and_compare_name_the_first_divergent_op(tmp_path):
     from skyrl_isoexec.digest import trace
 

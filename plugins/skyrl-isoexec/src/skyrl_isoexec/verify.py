@@ -133,7 +133,10 @@ def verify(
     from skyrl_core.config.schema import TrainerConfig
     from skyrl_isoexec.contract import build_contract, compare
 
+    from skyrl_core.plugins.manager import get_plugin_manager
+
     model = model_config(preset=preset, model_dir=model_dir, dtype=dtype)
+    get_plugin_manager().spec("inference_engine", engine)  # an unknown name fails before any build
     with state.enabled_scope(not off):
         trainer = build_runtime(
             "training_backend", "fsdp",
