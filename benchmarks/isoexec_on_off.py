@@ -43,6 +43,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     args = parser.parse_args()
 
+    import attrs
     import torch
 
     from skyrl_core.config.schema import ModelConfig, TrainerConfig
@@ -75,6 +76,12 @@ def main() -> None:
             engine = build_runtime("inference_engine", "torch", {"max_num_seqs": args.batch}, model, seed=0)
             engine.update_weights(trainer.export_weights())
             runtimes[label] = (engine, trainer)
+    # Off, but through the transformers modules IsoExec patches (skyrl-torch's lean native decoder
+    # only runs stock ops): separates the cost of the canonical kernels from that of the module path.
+    modules_engine = build_runtime(
+        "inference_engine", "torch", {"max_num_seqs": args.batch, "implementation": "transformers"}, model, seed=0
+    )
+    modules_engine.update_weights(runtimes["off"][1].export_weights())
     vocab = runtimes["on"][0].vocab_size
     rng = random.Random(0)
     prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(16, 48))] for _ in range(args.batch)]
@@ -99,8 +106,6 @@ def main() -> None:
             rollout[i, : len(s.logprobs)] = torch.tensor(s.logprobs)
         started = time.perf_counter()
         old = rollout if skip else trainer.forward(batch)
-        import attrs
-
         trainer.forward_backward(attrs.evolve(batch, old_logprobs=old), loss_fn)
         trainer.optim_step()
         return time.perf_counter() - started
@@ -110,8 +115,10 @@ def main() -> None:
         engine, trainer = runtimes[label]
         with state.enabled_scope(label == "on"):
             train_step(trainer, generate(engine, 0, 4), skip=False)
-    times: dict[str, list[float]] = {k: [] for k in ("gen off", "gen on", "step off", "step on", "step on, skip")}
-    tokens_per_run: dict[str, int] = {}
+    generate(modules_engine, 0, 4)
+    times: dict[str, list[float]] = {
+        k: [] for k in ("gen off", "gen off, modules", "gen on", "step off", "step on", "step on, skip")
+    }
     for rep in range(args.repeats):
         for label in ("off", "on"):
             engine, trainer = runtimes[label]
@@ -119,21 +126,29 @@ def main() -> None:
                 started = time.perf_counter()
                 samples = generate(engine, rep + 1, args.max_new_tokens)
                 seconds = time.perf_counter() - started
-                tokens_per_run[label] = sum(len(s.token_ids) for s in samples)
-                times[f"gen {label}"].append(tokens_per_run[label] / seconds)
+                times[f"gen {label}"].append(sum(len(s.token_ids) for s in samples) / seconds)
                 times[f"step {label}"].append(train_step(trainer, samples, skip=False))
                 if label == "on":
                     times["step on, skip"].append(train_step(trainer, samples, skip=True))
+            if label == "off":
+                started = time.perf_counter()
+                tokens = sum(len(s.token_ids) for s in generate(modules_engine, rep + 1, args.max_new_tokens))
+                times["gen off, modules"].append(tokens / (time.perf_counter() - started))
             print(f"repeat {rep} {label:3s}: engine {times[f'gen {label}'][-1]:8.1f} tokens/s, "
                   f"step {times[f'step {label}'][-1]:6.2f} s"
-                  + (f", step with skip {times['step on, skip'][-1]:6.2f} s" if label == "on" else ""), flush=True)
+                  + (f", step with skip {times['step on, skip'][-1]:6.2f} s" if label == "on" else
+                     f", engine through the transformers modules {times['gen off, modules'][-1]:8.1f} tokens/s"),
+                  flush=True)
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"median engine tokens/s: off {med['gen off']:.1f}, on {med['gen on']:.1f}  "
-          f"(time ratio on/off {med['gen off'] / med['gen on']:.2f}x)")
+    print(f"median engine tokens/s: off {med['gen off']:.1f} (native decoder), "
+          f"off {med['gen off, modules']:.1f} (transformers modules), on {med['gen on']:.1f}")
+    print(f"engine time ratio on/off: {med['gen off'] / med['gen on']:.2f}x vs the native decoder, "
+          f"{med['gen off, modules'] / med['gen on']:.2f}x vs the same transformers modules")
     print(f"median trainer step: off {med['step off']:.2f} s, on {med['step on']:.2f} s  "
           f"(ratio on/off {med['step on'] / med['step off']:.2f}x)")
     print(f"median trainer step, old-logprob pass skipped: on {med['step on, skip']:.2f} s  "
           f"(net ratio vs off {med['step on, skip'] / med['step off']:.2f}x)")
+    modules_engine.close()
     for engine, trainer in runtimes.values():
         engine.close()
         trainer.close()
