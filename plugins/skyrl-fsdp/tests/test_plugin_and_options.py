@@ -8,7 +8,7 @@ import pytest
 from skyrl_core.config.schema import Selection
 from skyrl_core.plugins.manager import get_plugin_manager
 from skyrl_fsdp.options import FSDPOptions
-from skyrl_fsdp.schedule import lr_factor
+from skyrl_core.lr_schedule import lr_factor
 
 
 def test_registering_imports_neither_torch_nor_ray():

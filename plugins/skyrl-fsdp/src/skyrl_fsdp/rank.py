@@ -36,7 +36,7 @@ from skyrl_core.ops import prepare_model, site_scope, token_logprobs
 from skyrl_core.types import TrainingBatch
 from skyrl_fsdp.hf_io import read_hf_weights, tied_aliases, write_hf_dir
 from skyrl_fsdp.options import FSDPOptions
-from skyrl_fsdp.schedule import lr_factor
+from skyrl_core.lr_schedule import lr_factor
 
 OPTIMIZER_FILE = "optimizer.pt"
 TRAINER_STATE_FILE = "trainer_state.pt"

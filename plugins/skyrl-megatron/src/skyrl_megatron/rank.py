@@ -29,7 +29,7 @@ from skyrl_megatron.layout import GPTLayout, layout_from_hf_config
 from skyrl_megatron.model import build_gpt_model, left_align, load_parameters, transformer_engine_available
 from skyrl_megatron.optimizers import MegatronAdam, ShardedAdamW, wrap_for_gpu_training
 from skyrl_megatron.options import MegatronOptions
-from skyrl_megatron.schedule import lr_factor
+from skyrl_core.lr_schedule import lr_factor
 
 CHECKPOINT_FORMAT = 1
 TRAINER_STATE_FILE = "megatron_trainer_state.pt"

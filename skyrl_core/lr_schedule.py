@@ -1,5 +1,5 @@
-"""The learning-rate schedule: a pure function of the optimizer step (the same one skyrl-fsdp uses,
-so both backends follow the same curve for the same trainer config)."""
+"""The learning-rate schedule as a pure function of the optimizer step, shared by every backend
+so that they follow the same curve for the same trainer config."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ SCHEDULES = ("constant", "cosine", "linear")
 
 
 def lr_factor(step: int, *, schedule: str, warmup_steps: int, total_steps: int) -> float:
-    """Multiplier of the peak LR at 0-based optimizer step ``step``.
+    """Multiplier of the peak LR for the optimizer step ``step`` (0-based: the first step is 0).
 
-    Linear warm-up reaches the peak at step ``warmup_steps - 1``; then ``cosine`` and ``linear``
-    decay to 0 at ``total_steps`` and ``constant`` holds.
+    Warm-up is linear and reaches the peak at step ``warmup_steps - 1`` (so the first step already
+    learns). After it, ``cosine`` and ``linear`` decay to 0 at step ``total_steps``; ``constant`` stays.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"lr_schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
