@@ -4,12 +4,13 @@ vLLM-CPU runs one C++ kernel for every token (paged, split-KV work split chosen 
 reductions differ from the trainer's. ``IsoExecCPUBackend`` replaces ``CPU_ATTN`` (registered with
 ``register_backend``) and owns both sides of the KV cache:
 
-- write (``do_kv_cache_update``): token ``t`` goes to slot ``slot_mapping[t]`` =
-  ``block * block_size + offset``; its key in ``kv_cache[block, :, offset, :D]``, its value in
-  ``kv_cache[block, :, offset, D:]`` (vLLM's ``[blocks, kv_heads, block_size, 2 * D]`` cache);
-- read (``forward``): every request's keys and values are gathered through its block table into
-  ``[requests, kv_heads, keys, D]`` (zeros past its length) and all requests of the step go through
-  one call of the canonical kernel, query ``i`` of a request seeing keys ``[0, start + i]``.
+- write (``do_kv_cache_update``): vLLM's per-layer cache ``[blocks, kv_heads, block_size, 2 * D]``
+  is used as one row per slot, ``[blocks * block_size, kv_heads * 2 * D]``: token ``t`` goes to row
+  ``slot_mapping[t]`` (= ``block * block_size + offset``), keys then values of every kv head;
+- read (``forward``): every request's keys and values are gathered row by row through its block
+  table into ``[requests, kv_heads, keys, D]`` (values zeroed past its length) and all requests of
+  the step go through one call of the canonical kernel, query ``i`` of a request seeing keys
+  ``[0, start + i]``.
 
 The canonical kernel reduces over exactly the visible keys in fixed blocks aligned at the
 sequence start, so a token's output is the same whether it was computed in a prefill, a chunk of
@@ -63,19 +64,22 @@ def build_metadata(common, ledger) -> IsoExecAttentionMetadata:
     )
 
 
+def _slot_rows(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The cache as one row per slot, ``[blocks * block_size, kv_heads * 2D]`` (our own layout)."""
+    if not kv_cache.is_contiguous():
+        raise ValueError("IsoExec: the KV cache of a layer must be contiguous (vLLM's LBHNC layout)")
+    return kv_cache.view(-1, kv_cache.shape[1] * kv_cache.shape[3])
+
+
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store ``key``/``value`` ``[T, kv_heads, D]`` at their slots (negative slots: padding, skipped)."""
     tokens = min(key.shape[0], slot_mapping.shape[0])
     slots = slot_mapping[:tokens].long()
+    entries = torch.cat((key[:tokens], value[:tokens]), dim=-1).reshape(tokens, -1)  # [T, kv_heads * 2D]
     keep = slots >= 0
     if not bool(keep.all()):
-        slots, key, value = slots[keep], key[:tokens][keep], value[:tokens][keep]
-    else:
-        key, value = key[:tokens], value[:tokens]
-    block_size, dim = kv_cache.shape[2], key.shape[-1]
-    blocks, offsets = slots // block_size, slots % block_size
-    kv_cache[blocks, :, offsets, :dim] = key
-    kv_cache[blocks, :, offsets, dim:] = value
+        slots, entries = slots[keep], entries[keep]
+    _slot_rows(kv_cache).index_copy_(0, slots, entries.to(kv_cache.dtype))
 
 
 def attend(
@@ -86,33 +90,41 @@ def attend(
     if tokens == 0 or reqs == 0:
         return
     device = query.device
-    block_size, dim = kv_cache.shape[2], query.shape[-1]
+    _, kv_heads, block_size, width = kv_cache.shape
+    heads, dim = query.shape[1], query.shape[-1]
     starts = meta.query_start_loc[: reqs + 1].to(device=device, dtype=torch.long)
     seq_lens = meta.seq_lens[:reqs].to(device=device, dtype=torch.long)
     q_lens = starts[1:] - starts[:-1]
     max_q = meta.max_query_len
 
-    # Keys and values of every request, position-indexed: [reqs, kv_heads, slots, D], zeros past its length.
-    num_blocks = -(-meta.max_seq_len // block_size)
-    table = meta.block_table[:reqs, :num_blocks].to(device=device, dtype=torch.long)
-    paged = kv_cache[table]  # [reqs, blocks, kv_heads, block_size, 2D]
-    kv = paged.permute(0, 2, 1, 3, 4).reshape(reqs, kv_cache.shape[1], num_blocks * block_size, 2 * dim)
-    slots = torch.arange(num_blocks * block_size, device=device)
-    present = (slots[None, :] < seq_lens[:, None])[:, None, :, None]
-    kv = kv.masked_fill(~present, 0)
-    key, value = kv[..., :dim], kv[..., dim:]
+    # Keys and values of every request by position, [reqs, kv_heads, slots, D], gathered slot by slot
+    # through the block table: as many slots as the longest request needs, rounded to the kernel's
+    # key blocks; values zeroed past each length (masked keys get a zero weight, and zero times a
+    # finite value is zero; the cache past a length may hold anything).
+    table = meta.block_table[:reqs].to(device=device, dtype=torch.long)
+    slots = min(-(-meta.max_seq_len // canonical.KEY_BLOCK) * canonical.KEY_BLOCK, table.shape[1] * block_size)
+    position = torch.arange(slots, device=device)
+    rows = table[:, position // block_size] * block_size + position % block_size  # [reqs, slots]
+    kv = _slot_rows(kv_cache).index_select(0, rows.reshape(-1)).view(reqs, slots, kv_heads, width)
+    key = kv[..., :dim].transpose(1, 2).contiguous()
+    value = kv[..., dim:].transpose(1, 2).masked_fill((position[None, :] >= seq_lens[:, None])[:, None, :, None], 0)
 
-    # Queries [reqs, H, max_q, D]: token t is query row t - starts[r] of its request r.
-    request = torch.repeat_interleave(torch.arange(reqs, device=device), q_lens)
-    row = torch.arange(tokens, device=device) - starts[request]
-    padded = query.new_zeros(reqs, max_q, query.shape[1], dim)
-    padded[request, row] = query[:tokens]
+    # Queries [reqs, max_q, H, D]: token t is query row t - starts[r] of its request r.
+    if tokens == reqs * max_q:  # every request has max_q queries (all decode steps, say)
+        flat = None
+        padded = query[:tokens].reshape(reqs, max_q, heads, dim)
+    else:
+        request = torch.repeat_interleave(torch.arange(reqs, device=device), q_lens, output_size=tokens)
+        flat = request * max_q + torch.arange(tokens, device=device) - starts[request]
+        padded = query.new_zeros(reqs * max_q, heads, dim).index_copy_(0, flat, query[:tokens])
+        padded = padded.view(reqs, max_q, heads, dim)
     # Query row i of request r sits at position (seq_len - q_len + i) and sees keys [0, that + 1).
     seen = (seq_lens - q_lens)[:, None] + torch.arange(1, max_q + 1, device=device)[None, :]
     seen = torch.minimum(seen, seq_lens[:, None])  # padding rows: any prefix will do
-    visible = (slots[None, None, :] < seen[:, :, None])[:, None]  # [reqs, 1, max_q, slots]
+    visible = (position[None, None, :] < seen[:, :, None])[:, None]  # [reqs, 1, max_q, slots]
     out = canonical.attention(padded.transpose(1, 2), key, value, visible, scale)  # [reqs, max_q, H, D]
-    output[:tokens] = out[request, row]
+    out = out.reshape(reqs * max_q, heads, dim)
+    output[:tokens] = out if flat is None else out.index_select(0, flat)
 
 
 class IsoExecCPUMetadataBuilder(CPUAttentionMetadataBuilder):

@@ -73,10 +73,21 @@ def _wrap_create_engine_config(original: Callable[..., Any]) -> Callable[..., An
     return create_engine_config
 
 
+def _forget_cached_rotary_embeddings(active: bool) -> None:
+    """vLLM shares rotary modules between models built in one process (``get_rope``'s cache); one
+    built with IsoExec in the other state must not be reused by this model."""
+    from vllm.model_executor.layers.rotary_embedding import _ROPE_DICT
+
+    for key, module in list(_ROPE_DICT.items()):
+        if getattr(module, "_isoexec", False) != active:
+            del _ROPE_DICT[key]
+
+
 def _wrap_load_model(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def load_model(self, *args, **kwargs):
         active = runtime.active()
+        _forget_cached_rotary_embeddings(active)
         if active:
             _refuse_config(self.vllm_config)
             runtime.new_ledger()
