@@ -23,16 +23,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from vllm.v1.attention.backend import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, MultipleOf
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
     CPUAttentionMetadataBuilder,
 )
+from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from skyrl_isoexec.kernels import attention as canonical
 from skyrl_isoexec.vllm import runtime
 
 BACKEND_PATH = "skyrl_isoexec.vllm.attention.IsoExecCPUBackend"
+CUDA_BACKEND_PATH = "skyrl_isoexec.vllm.attention.IsoExecCUDABackend"
 
 
 @dataclass
@@ -127,6 +130,23 @@ def attend(
     output[:tokens] = out if flat is None else out.index_select(0, flat)
 
 
+def refuse_unsupported(alibi_slopes, sliding_window, kv_cache_dtype, logits_soft_cap, attn_type,
+                       kv_sharing_target_layer_name, sinks) -> None:
+    """Raise for attention features the canonical kernel does not compute."""
+    unsupported = {
+        "ALiBi slopes": alibi_slopes is not None,
+        f"sliding window {sliding_window}": sliding_window is not None,
+        f"logits soft cap {logits_soft_cap}": bool(logits_soft_cap),
+        f"attention type {attn_type!r}": attn_type != "decoder",
+        "KV sharing between layers": kv_sharing_target_layer_name is not None,
+        "attention sinks": sinks is not None,
+        f"KV cache dtype {kv_cache_dtype!r}": kv_cache_dtype not in ("auto", None),
+    }
+    found = [name for name, present in unsupported.items() if present]
+    if found:
+        raise ValueError(f"IsoExec: canonical attention does not support {', '.join(found)}")
+
+
 class IsoExecCPUMetadataBuilder(CPUAttentionMetadataBuilder):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -147,18 +167,8 @@ class IsoExecCPUAttentionImpl(CPUAttentionBackendImpl):
                          logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks)
         self._isoexec = runtime.active()
         if self._isoexec:
-            unsupported = {
-                "ALiBi slopes": alibi_slopes is not None,
-                f"sliding window {sliding_window}": sliding_window is not None,
-                f"logits soft cap {logits_soft_cap}": bool(logits_soft_cap),
-                f"attention type {attn_type!r}": attn_type != "decoder",
-                "KV sharing between layers": kv_sharing_target_layer_name is not None,
-                "attention sinks": sinks is not None,
-                f"KV cache dtype {kv_cache_dtype!r}": kv_cache_dtype not in ("auto", None),
-            }
-            found = [name for name, present in unsupported.items() if present]
-            if found:
-                raise ValueError(f"IsoExec: canonical attention does not support {', '.join(found)}")
+            refuse_unsupported(alibi_slopes, sliding_window, kv_cache_dtype, logits_soft_cap, attn_type,
+                               kv_sharing_target_layer_name, sinks)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
@@ -191,15 +201,93 @@ class IsoExecCPUBackend(CPUAttentionBackend):
         return IsoExecCPUMetadataBuilder
 
 
+
+# --- CUDA (vLLM's CUSTOM backend slot; selected with attention_config.backend="CUSTOM") ----------
+# Platform-neutral torch code; not run on this CPU machine (scripts/gpu_isoexec_vllm_check.sh).
+
+
+class IsoExecMetadataBuilder(AttentionMetadataBuilder):
+    """The step's metadata and site. Attention never enters CUDA graphs (the default ``NEVER``)."""
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self._isoexec_ledger = runtime.ledger()
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
+        return build_metadata(common_attn_metadata, self._isoexec_ledger)
+
+
+class IsoExecAttentionImpl(AttentionImpl):
+    def __init__(self, num_heads, head_size, scale, num_kv_heads=None, alibi_slopes=None, sliding_window=None,
+                 kv_cache_dtype="auto", logits_soft_cap=None, attn_type="decoder",
+                 kv_sharing_target_layer_name=None, sinks=None, **extra) -> None:
+        refuse_unsupported(alibi_slopes, sliding_window, kv_cache_dtype, logits_soft_cap, attn_type,
+                           kv_sharing_target_layer_name, sinks)
+        self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_sharing_target_layer_name = None
+        self.attn_type = attn_type
+        self.sliding_window = None
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None):
+        if attn_metadata is None:
+            return output
+        if output_scale is not None or output_block_scale is not None:
+            raise ValueError("IsoExec: fused output quantization has no canonical op")
+        runtime.observe("attention", layer)
+        attend(query, kv_cache, attn_metadata, self.scale, output)
+        return output
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        write_kv(kv_cache, key, value, slot_mapping)
+
+
+class IsoExecCUDABackend(AttentionBackend):
+    """The canonical kernel in vLLM's ``CUSTOM`` backend slot (CUDA, or any non-CPU platform)."""
+
+    forward_includes_kv_cache_update = False
+    supported_dtypes = [torch.float32, torch.bfloat16]
+    supported_kv_cache_dtypes = ["auto"]
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls():
+        return IsoExecAttentionImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return IsoExecMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None):
+        return [MultipleOf(16)]
+
+    @classmethod
+    def supported_kv_cache_layouts(cls):
+        return (KVCacheLayout.LBHNC,)  # each layer's cache contiguous: one row per slot
+
+
 def install() -> dict[str, str]:
-    """Route vLLM's CPU attention backend to ``IsoExecCPUBackend`` in this process."""
+    """On CPU, route vLLM's CPU attention backend to ``IsoExecCPUBackend``; elsewhere, register
+    ``IsoExecCUDABackend`` as vLLM's ``CUSTOM`` backend (selected by ``attention_config.backend``)."""
+    from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
-    return {"AttentionBackendEnum.CPU_ATTN": BACKEND_PATH}
+    slot, path = (
+        (AttentionBackendEnum.CPU_ATTN, BACKEND_PATH) if current_platform.is_cpu()
+        else (AttentionBackendEnum.CUSTOM, CUDA_BACKEND_PATH)
+    )
+    register_backend(slot, path)
+    return {f"AttentionBackendEnum.{slot.name}": path}
 
 
 def uninstall() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     AttentionBackendEnum.CPU_ATTN.clear_override()
+    AttentionBackendEnum.CUSTOM.clear_override()

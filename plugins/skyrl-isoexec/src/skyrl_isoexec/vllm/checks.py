@@ -66,8 +66,28 @@ def config_problems(vllm_config: Any) -> list[str]:
             f"compilation mode {getattr(mode, 'name', mode)} lets torch.compile fuse the canonical ops and change "
             "their rounding (use enforce_eager=True)"
         )
+    problems.extend(_accelerator_problems(vllm_config))
     if os.environ.get("VLLM_BATCH_INVARIANT", "0") not in ("", "0"):
         problems.append("VLLM_BATCH_INVARIANT=1 swaps in vLLM's own batch-invariant kernels over the canonical ones")
+    return problems
+
+
+def _accelerator_problems(vllm_config: Any) -> list[str]:
+    """On CUDA (any non-CPU platform) the canonical attention sits in vLLM's CUSTOM backend slot,
+    selected by ``attention_config.backend``, and the V1 model runner hosts the sampler patch."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return []
+    problems = []
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    if getattr(backend, "name", backend) != "CUSTOM":
+        problems.append(
+            f"attention backend {getattr(backend, 'name', backend)!r} is vLLM's own kernel "
+            "(set attention_config={'backend': 'CUSTOM'}: IsoExec registers the canonical one there)"
+        )
+    if getattr(vllm_config, "use_v2_model_runner", False):
+        problems.append("vLLM's V2 model runner is not covered by IsoExec (set VLLM_USE_V2_MODEL_RUNNER=0)")
     return problems
 
 
@@ -102,7 +122,7 @@ def inspect_model(model: Any) -> tuple[dict[str, int], list[str], list[str]]:
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
-    from skyrl_isoexec.vllm.attention import IsoExecCPUAttentionImpl
+    from skyrl_isoexec.vllm.attention import IsoExecAttentionImpl, IsoExecCPUAttentionImpl
     from skyrl_isoexec.vllm.layers import IsoExecRMSNorm, IsoExecRotaryEmbedding, IsoExecSiluAndMul
 
     counts: dict[str, int] = {}
@@ -138,7 +158,8 @@ def inspect_model(model: Any) -> tuple[dict[str, int], list[str], list[str]]:
             else:
                 count("linear" if isinstance(module, ParallelLMHead) else "embedding")
         elif isinstance(module, Attention):
-            if isinstance(module.impl, IsoExecCPUAttentionImpl) and module.impl._isoexec:
+            impl = module.impl
+            if isinstance(impl, IsoExecAttentionImpl) or (isinstance(impl, IsoExecCPUAttentionImpl) and impl._isoexec):
                 count("attention")
             else:
                 unpatched.append(f"{name} with {type(module.impl).__name__}")

@@ -1,0 +1,61 @@
+"""CUDA vLLM with IsoExec against the CUDA FSDP trainer (run by ``scripts/gpu_isoexec_vllm_check.sh``).
+
+What differs from CPU: the canonical attention sits in vLLM's ``CUSTOM`` backend slot and is
+selected with ``attention_config={"backend": "CUSTOM"}``; the engine runs eager (no CUDA graphs,
+no torch.compile) and on vLLM's V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0``). The negative
+control is stock CUDA vLLM (its own attention backend, IsoExec off).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from skyrl_core.config.schema import ModelConfig, TrainerConfig
+from skyrl_isoexec import state
+from skyrl_isoexec.presets import preset
+from skyrl_isoexec.verify import build_runtime, compare_logprobs, make_requests, training_batch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def _differing(model: ModelConfig, on: bool, tmp_path, monkeypatch) -> tuple[int, int]:
+    from skyrl_vllm.engine import VLLMEngine
+    from skyrl_vllm.options import VLLMOptions
+
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    extra = {"attention_config": {"backend": "CUSTOM"}} if on else {}
+    with state.enabled_scope(on):
+        trainer = build_runtime(
+            "training_backend", "fsdp",
+            {"world_size": 1, "device": "cuda", "mixed_precision": "bf16" if model.dtype == "bfloat16" else "fp32"},
+            model, seed=0, trainer=TrainerConfig(micro_batch_size=3),
+        )
+        options = VLLMOptions(kv_cache_memory_bytes=256 << 20, enforce_eager=True, multiprocess=True, engine_kwargs=extra)
+        engine = VLLMEngine(model, options, seed=0)
+        try:
+            engine.update_weights(trainer.export_weights())
+            rng = random.Random(0)
+            samples = [s for b in range(3) for group in engine.generate(make_requests(rng, 512, b)) for s in group]
+            together = compare_logprobs("all", samples, trainer.forward(training_batch(samples)))
+            reverse = samples[::-1]
+            reversed_ = compare_logprobs("reversed", reverse, trainer.forward(training_batch(reverse)))
+        finally:
+            engine.close()
+            trainer.close()
+    return together.differing + reversed_.differing, together.tokens
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_vllm_logprobs_are_the_cuda_trainers_bits(family, dtype, tmp_path, monkeypatch):
+    differing, tokens = _differing(ModelConfig(config=preset(family), dtype=dtype), True, tmp_path, monkeypatch)
+    assert tokens > 0 and differing == 0
+
+
+def test_stock_cuda_vllm_differs(tmp_path, monkeypatch):
+    differing, tokens = _differing(ModelConfig(config=preset("qwen3"), dtype="bfloat16"), False, tmp_path, monkeypatch)
+    assert 0 < differing
