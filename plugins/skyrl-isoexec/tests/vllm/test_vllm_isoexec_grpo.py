@@ -77,7 +77,9 @@ def test_grpo_refuses_to_start_when_the_engine_contract_is_altered(tmp_path, mon
 
     def altered(self):
         contract = original(self)
-        contract["ledger"]["attention@engine_decode"]["version"] = "2"  # one side's contract changed
+        ledger = contract["ledger"]
+        # One site's declared attention implementation changed.
+        ledger["attention@engine_decode"] = {**ledger["attention@engine_decode"], "version": "altered"}
         return contract
 
     monkeypatch.setattr(VLLMEngine, "execution_contract", altered)
