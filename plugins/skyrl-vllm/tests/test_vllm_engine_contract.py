@@ -69,15 +69,18 @@ class TestVLLMEngine(EngineContract):
         assert contract["ledger"]["linear@engine_decode"]["impl"] == "torch.linear"
 
     def test_close_is_idempotent(self, engine_factory, model_config, prompts):
-        """The suite's check, plus: every process this engine started is gone after ``close``."""
+        """The suite's check, plus: every process and file this engine made is gone after ``close``."""
         before = live_descendants()
         engine = engine_factory(model_config, MODEL_SEED)
         started = live_descendants() - before
         (worker,) = engine.execution_contract()["workers"]
         assert worker["pid"] in started and len(started) >= 2  # engine core + worker
         assert engine.generate([request(prompts[3], "c", max_tokens=2, seed=0)])[0][0].token_ids
+        workdir = engine._workdir  # the model written for vLLM, weight files
+        assert os.path.isdir(workdir)
         engine.close()
         engine.close()
         assert live_descendants() & started == set()
+        assert not os.path.exists(workdir)
         with pytest.raises(RuntimeError, match="closed"):
             engine.generate([request(prompts[3], "c", max_tokens=2)])

@@ -6,6 +6,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+import weakref
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
 from skyrl_sglang import bootstrap
@@ -75,6 +76,8 @@ class SGLangEngine:
         self._engine: Any = None
         self._asleep = False
         self._workdir = tempfile.mkdtemp(prefix="skyrl-sglang-")
+        # Removed by close(), or at interpreter exit if the engine is never closed.
+        self._remove_workdir = weakref.finalize(self, shutil.rmtree, self._workdir, True)
         try:
             self._start(model)
         except BaseException:
@@ -176,9 +179,7 @@ class SGLangEngine:
         engine, self._engine = self._engine, None
         if engine is not None:
             engine.shutdown()
-        if self._workdir is not None:
-            shutil.rmtree(self._workdir, ignore_errors=True)
-            self._workdir = None
+        self._remove_workdir()
 
     def __enter__(self) -> SGLangEngine:
         return self

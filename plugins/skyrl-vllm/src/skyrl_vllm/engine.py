@@ -9,6 +9,7 @@ import multiprocessing
 import os
 import shutil
 import tempfile
+import weakref
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
 from skyrl_vllm import bootstrap
@@ -104,6 +105,8 @@ class VLLMEngine:
         if problem is not None:
             raise ValueError(f"cannot start the vllm engine: {problem}")
         self._workdir = tempfile.mkdtemp(prefix="skyrl-vllm-")
+        # Removed by close(), or at interpreter exit if the engine is never closed.
+        self._remove_workdir = weakref.finalize(self, shutil.rmtree, self._workdir, True)
         try:
             self._start(model)
         except BaseException:
@@ -224,9 +227,8 @@ class VLLMEngine:
         if self._saved_process_state is not None:
             _restore_process_state(self._saved_process_state)
             self._saved_process_state = None
-        if getattr(self, "_workdir", None):
-            shutil.rmtree(self._workdir, ignore_errors=True)
-            self._workdir = None
+        if getattr(self, "_remove_workdir", None) is not None:
+            self._remove_workdir()
 
     def __enter__(self) -> VLLMEngine:
         return self

@@ -19,6 +19,7 @@ import logging
 import os
 import shutil
 import tempfile
+import weakref
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import attrs
@@ -139,6 +140,7 @@ class OpenAIEngine:
 
         self.sleep_supported = bool(current_platform.is_sleep_mode_available())
         self._workdir = tempfile.mkdtemp(prefix="skyrl-vllm-serve-")
+        self._remove_workdir = weakref.finalize(self, shutil.rmtree, self._workdir, True)
         model_dir, tokenizer_dir = materialize_model(model, seed=self.seed, parent_dir=self._workdir)
         self._weight_shapes = checkpoint_shapes(model_dir)
         vopts = self.options.vllm
@@ -152,6 +154,8 @@ class OpenAIEngine:
             enable_sleep_mode=self.sleep_supported,
         )
         self._server = VLLMServer(cmd, log_path=os.path.join(self._workdir, "vllm-serve.log"))
+        # close() stops it; so does interpreter exit if the engine is never closed.
+        self._stop_server = weakref.finalize(self, self._server.stop)
         self._server.wait_ready(self.options.startup_timeout_s)
         self.root_url = self._server.base_url
         self.model_name = SERVED_MODEL_NAME
@@ -219,14 +223,14 @@ class OpenAIEngine:
 
     def close(self) -> None:
         """Stop a launched server (all its processes) and free the HTTP client; idempotent."""
-        server, self._server = self._server, None
-        if server is not None:
-            server.stop()
+        if self._server is not None:
+            self._stop_server()
+            self._server = None
         if getattr(self, "_http", None) is not None:
             self._http.close()
             self._http = None
         if self._workdir is not None:
-            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._remove_workdir()
             self._workdir = None
 
     def __enter__(self) -> OpenAIEngine:
