@@ -172,8 +172,6 @@ class _Walker:
             self.fail(path, f"cannot load the options class {spec.options!r} of {spec.kind_title} {spec.name!r}: {exc}")
             return _INVALID
         if cls is None:
-            if spec.kind == "environment":  # entry-point environments: the class's own keywords
-                return dict(data or {})
             if data:
                 self.fail(path, f"{spec.kind_title} {spec.name!r} takes no options, got {show(data)}")
                 return _INVALID

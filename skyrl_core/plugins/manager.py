@@ -236,7 +236,7 @@ class SkyrlPluginManager(pluggy.PluginManager):
         opts = structure_options(spec, options or {}, path=f"{kind}:{name}")
         factory = spec.load_factory()
         if kind == "environment":
-            return factory(**(opts if isinstance(opts, dict) else attrs.asdict(opts, recurse=False)))
+            return factory(**(attrs.asdict(opts, recurse=False) if opts is not None else {}))
         if opts is None:
             return factory(**kwargs)
         return factory(opts, **kwargs)

@@ -24,10 +24,19 @@ def test_installed_third_party_env_is_listed_and_buildable(third_party_env_packa
 
     previous = set_plugin_manager(new_plugin_manager())
     try:
-        env = skyrl_core.make_env("countdown-word", word="abc")
-        assert env.reset({}) == [{"role": "user", "content": "Spell 'abc' backwards."}]
+        env = skyrl_core.make_env("countdown-word")
+        assert env.reset({"word": "abc"}) == [{"role": "user", "content": "Spell 'abc' backwards."}]
         obs, reward, done, info = env.step("cba")
         assert (obs, reward, done) == ([], 1.0, True)
         assert env.step("abc").reward == 0.0
+        # an entry-point environment has no options class: options are refused, not passed unchecked
+        from skyrl_core.config.errors import ConfigError
+
+        try:
+            skyrl_core.make_env("countdown-word", word="abc")
+        except ConfigError as error:
+            assert "environment 'countdown-word' takes no options" in str(error)
+        else:
+            raise AssertionError("options of an entry-point environment were accepted")
     finally:
         set_plugin_manager(previous)
