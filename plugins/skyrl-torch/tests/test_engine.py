@@ -160,6 +160,18 @@ def test_transformers_implementation_matches_native(reference, attention):
     assert_logprobs_match(reference, [s for g in b for s in g])
 
 
+def test_two_threads_give_the_same_samples_and_the_thread_count_is_restored(reference):
+    """With 2 threads the native forward runs element-wise kernels on one thread (decode-sized
+    tensors) and matrix products on both; the caller's setting must survive."""
+    requests = [request(prompt(5, i), str(i), seed=i, n=2, max_tokens=6) for i in range(3)]
+    one = engine().generate(requests)
+    torch.set_num_threads(2)  # the autouse fixture restores the previous setting
+    two = engine().generate(requests)
+    assert torch.get_num_threads() == 2
+    assert [[s.token_ids for s in g] for g in one] == [[s.token_ids for s in g] for g in two]
+    assert_logprobs_match(reference, [s for g in two for s in g])
+
+
 def test_native_weight_views_follow_update_weights(reference):
     """The native decoder stacks q/k/v and gate/up into fused tensors that the parameters view."""
     eng = engine()

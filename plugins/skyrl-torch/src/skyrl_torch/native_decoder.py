@@ -30,6 +30,9 @@ from skyrl_torch.kv_cache import SlotKVCache
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
+# Element-wise work on hidden states smaller than this (decode-sized batches) runs on one thread.
+SERIAL_ELEMENTWISE_BELOW = 1 << 18
+
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why ``NativeDecoder`` cannot run ``model`` (None when it can)."""
@@ -159,11 +162,21 @@ class NativeDecoder:
         half = cos.shape[-1] // 2
         cos = cos.unsqueeze(2)
         sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1).unsqueeze(2)
+        with _Threads(h.device.type == "cpu" and h.numel() < SERIAL_ELEMENTWISE_BELOW) as threads:
+            return self._layers(h, cos, sin, cache, mask, threads)
+
+    def _layers(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: SlotKVCache, mask: torch.Tensor, threads: _Threads
+    ) -> torch.Tensor:
+        n, q_len = h.shape[:2]
         decode_masks: dict[int, torch.Tensor] = {}  # per kv-head count: the mask repeated per head
         for index, layer in enumerate(self.layers):
             d, qs, kvs = layer.head_dim, layer.q_size, layer.kv_size
+            threads.serial()
             x = _rms_norm(h, layer.input_norm)
+            threads.parallel()
             qkv = self._linear(x, layer.qkv_weight, layer.qkv_bias)
+            threads.serial()
             v = qkv[..., qs + kvs :].unflatten(-1, (-1, d))
             if layer.q_norm is None:
                 qk = _rope(qkv[..., : qs + kvs].unflatten(-1, (-1, d)), cos, sin)
@@ -172,6 +185,7 @@ class NativeDecoder:
                 q = _rope(_rms_norm(qkv[..., :qs].unflatten(-1, (-1, d)), layer.q_norm), cos, sin)
                 k = _rope(_rms_norm(qkv[..., qs : qs + kvs].unflatten(-1, (-1, d)), layer.k_norm), cos, sin)
             keys, values = cache.write_and_read(index, k, v)
+            threads.parallel()
             if q_len == 1:
                 kv_heads = keys.shape[1]
                 if kv_heads not in decode_masks:
@@ -182,11 +196,47 @@ class NativeDecoder:
                     q.transpose(1, 2), keys, values, attn_mask=mask, scale=layer.scaling, enable_gqa=True
                 ).transpose(1, 2)
             h = self._residual_linear(h, attn.reshape(n, q_len, -1), layer.o_proj)
+            threads.serial()
             x = _rms_norm(h, layer.post_norm)
+            threads.parallel()
             gate, up = self._linear(x, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)
-            h = self._residual_linear(h, F.silu(gate).mul_(up), layer.down_proj)
+            threads.serial()
+            act = F.silu(gate).mul_(up)
+            threads.parallel()
+            h = self._residual_linear(h, act, layer.down_proj)
+        threads.serial()
         last = _rms_norm(h[:, -1], self.final_norm)
+        threads.parallel()
         return self._linear(last, self.lm_head.weight)
+
+
+class _Threads:
+    """Intra-op threads for matrix products only: element-wise kernels on decode-sized tensors
+    (tens of thousands of elements) gain nothing from a second thread, and each parallel region
+    waits for every thread to be scheduled, which on a busy machine costs milliseconds."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.full = torch.get_num_threads()
+        self.enabled = enabled and self.full > 1
+        self.current = self.full
+
+    def serial(self) -> None:
+        if self.enabled and self.current != 1:
+            torch.set_num_threads(1)
+            self.current = 1
+
+    def parallel(self) -> None:
+        if self.enabled and self.current != self.full:
+            torch.set_num_threads(self.full)
+            self.current = self.full
+
+    def __enter__(self) -> _Threads:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.current != self.full:
+            torch.set_num_threads(self.full)
+            self.current = self.full
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
