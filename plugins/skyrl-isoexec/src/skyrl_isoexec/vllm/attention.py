@@ -5,12 +5,12 @@ reductions differ from the trainer's. ``IsoExecCPUBackend`` replaces ``CPU_ATTN`
 ``register_backend``) and owns both sides of the KV cache:
 
 - write (``do_kv_cache_update``): vLLM's per-layer cache ``[blocks, kv_heads, block_size, 2 * D]``
-  is used as one row per slot, ``[blocks * block_size, kv_heads * 2 * D]``: token ``t`` goes to row
-  ``slot_mapping[t]`` (= ``block * block_size + offset``), keys then values of every kv head;
-- read (``forward``): every request's keys and values are gathered row by row through its block
-  table into ``[requests, kv_heads, keys, D]`` (values zeroed past its length) and all requests of
-  the step go through one call of the canonical kernel, query ``i`` of a request seeing keys
-  ``[0, start + i]``.
+  is used as one row per (slot, kv head), ``[blocks * block_size * kv_heads, 2 * D]``: kv head
+  ``h`` of token ``t`` goes to row ``slot_mapping[t] * kv_heads + h`` (key, then value);
+- read (``forward``): every request's keys and values are gathered in one ``index_select``
+  through its block table into ``[requests, kv_heads, keys, 2 * D]`` (values zeroed past its
+  length) and all requests of the step go through one call of the canonical kernel, query ``i``
+  of a request seeing keys ``[0, start + i]``.
 
 The canonical kernel reduces over exactly the visible keys in fixed blocks aligned at the
 sequence start, so a token's output is the same whether it was computed in a prefill, a chunk of
@@ -67,22 +67,25 @@ def build_metadata(common, ledger) -> IsoExecAttentionMetadata:
     )
 
 
-def _slot_rows(kv_cache: torch.Tensor) -> torch.Tensor:
-    """The cache as one row per slot, ``[blocks * block_size, kv_heads * 2D]`` (our own layout)."""
+def _entry_rows(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The cache as one row per (slot, kv head), ``[blocks * block_size * kv_heads, 2D]``: our own
+    layout inside vLLM's ``[blocks, kv_heads, block_size, 2D]`` allocation."""
     if not kv_cache.is_contiguous():
         raise ValueError("IsoExec: the KV cache of a layer must be contiguous (vLLM's LBHNC layout)")
-    return kv_cache.view(-1, kv_cache.shape[1] * kv_cache.shape[3])
+    return kv_cache.view(-1, kv_cache.shape[3])
 
 
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store ``key``/``value`` ``[T, kv_heads, D]`` at their slots (negative slots: padding, skipped)."""
     tokens = min(key.shape[0], slot_mapping.shape[0])
     slots = slot_mapping[:tokens].long()
-    entries = torch.cat((key[:tokens], value[:tokens]), dim=-1).reshape(tokens, -1)  # [T, kv_heads * 2D]
+    entries = torch.cat((key[:tokens], value[:tokens]), dim=-1)  # [T, kv_heads, 2D]
     keep = slots >= 0
     if not bool(keep.all()):
         slots, entries = slots[keep], entries[keep]
-    _slot_rows(kv_cache).index_copy_(0, slots, entries.to(kv_cache.dtype))
+    kv_heads = kv_cache.shape[1]
+    rows = slots[:, None] * kv_heads + torch.arange(kv_heads, device=slots.device)[None, :]
+    _entry_rows(kv_cache).index_copy_(0, rows.reshape(-1), entries.reshape(-1, entries.shape[-1]).to(kv_cache.dtype))
 
 
 def attend(
@@ -100,17 +103,18 @@ def attend(
     q_lens = starts[1:] - starts[:-1]
     max_q = meta.max_query_len
 
-    # Keys and values of every request by position, [reqs, kv_heads, slots, D], gathered slot by slot
+    # Keys and values of every request by position, [reqs, kv_heads, slots, D], in one gather
     # through the block table: as many slots as the longest request needs, rounded to the kernel's
     # key blocks; values zeroed past each length (masked keys get a zero weight, and zero times a
     # finite value is zero; the cache past a length may hold anything).
     table = meta.block_table[:reqs].to(device=device, dtype=torch.long)
     slots = min(-(-meta.max_seq_len // canonical.KEY_BLOCK) * canonical.KEY_BLOCK, table.shape[1] * block_size)
     position = torch.arange(slots, device=device)
-    rows = table[:, position // block_size] * block_size + position % block_size  # [reqs, slots]
-    kv = _slot_rows(kv_cache).index_select(0, rows.reshape(-1)).view(reqs, slots, kv_heads, width)
-    key = kv[..., :dim].transpose(1, 2).contiguous()
-    value = kv[..., dim:].transpose(1, 2).masked_fill((position[None, :] >= seq_lens[:, None])[:, None, :, None], 0)
+    slot_ids = table[:, position // block_size] * block_size + position % block_size  # [reqs, slots]
+    rows = slot_ids[:, None, :] * kv_heads + torch.arange(kv_heads, device=device)[None, :, None]
+    kv = _entry_rows(kv_cache).index_select(0, rows.reshape(-1)).view(reqs, kv_heads, slots, width)
+    key, value = kv[..., :dim], kv[..., dim:]
+    value.masked_fill_((position[None, :] >= seq_lens[:, None])[:, None, :, None], 0)
 
     # Queries [reqs, max_q, H, D]: token t is query row t - starts[r] of its request r.
     if tokens == reqs * max_q:  # every request has max_q queries (all decode steps, say)
