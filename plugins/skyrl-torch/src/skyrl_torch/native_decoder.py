@@ -30,7 +30,8 @@ from skyrl_torch.kv_cache import SlotKVCache
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
-# Element-wise work on hidden states smaller than this (decode-sized batches) runs on one thread.
+# Below this many hidden-state elements (decode-sized batches) everything but the projections
+# (element-wise kernels and the small per-row attention products) runs on one thread.
 SERIAL_ELEMENTWISE_BELOW = 1 << 18
 
 
@@ -185,7 +186,6 @@ class NativeDecoder:
                 q = _rope(_rms_norm(qkv[..., :qs].unflatten(-1, (-1, d)), layer.q_norm), cos, sin)
                 k = _rope(_rms_norm(qkv[..., qs : qs + kvs].unflatten(-1, (-1, d)), layer.k_norm), cos, sin)
             keys, values = cache.write_and_read(index, k, v)
-            threads.parallel()
             if q_len == 1:
                 kv_heads = keys.shape[1]
                 if kv_heads not in decode_masks:
@@ -195,6 +195,7 @@ class NativeDecoder:
                 attn = F.scaled_dot_product_attention(
                     q.transpose(1, 2), keys, values, attn_mask=mask, scale=layer.scaling, enable_gqa=True
                 ).transpose(1, 2)
+            threads.parallel()
             h = self._residual_linear(h, attn.reshape(n, q_len, -1), layer.o_proj)
             threads.serial()
             x = _rms_norm(h, layer.post_norm)
@@ -211,9 +212,9 @@ class NativeDecoder:
 
 
 class _Threads:
-    """Intra-op threads for matrix products only: element-wise kernels on decode-sized tensors
-    (tens of thousands of elements) gain nothing from a second thread, and each parallel region
-    waits for every thread to be scheduled, which on a busy machine costs milliseconds."""
+    """Intra-op threads for the projections only: element-wise kernels and attention's many tiny
+    products on decode-sized tensors gain little from more threads, and each parallel region waits
+    for every thread to be scheduled, which on a busy machine costs milliseconds."""
 
     def __init__(self, enabled: bool) -> None:
         self.full = torch.get_num_threads()
