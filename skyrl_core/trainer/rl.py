@@ -139,7 +139,8 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
                                    on_chunk=advance)
             metrics["time/eval"] = time.perf_counter() - started
             pm.hook.skyrl_on_eval_end(step=step, metrics=metrics)
-            shown = _fmt(metrics, "eval/accuracy", f"eval/pass@{eval_sampling.n}", "eval/response_length")
+            shown = _fmt(metrics, accuracy="eval/accuracy", **{f"pass@{eval_sampling.n}": f"eval/pass@{eval_sampling.n}"},
+                         length="eval/response_length")
             progress.say(f"eval @ step {step}: {shown}")
             return metrics
 
@@ -236,8 +237,9 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
                 metrics.update(run_eval(step))
             log.write(metrics)
             pm.hook.skyrl_on_step_end(step=step, metrics=dict(metrics))
-            progress.step(step, _fmt(metrics, "reward/mean", "accuracy", "response_length/mean", "loss", "grad_norm",
-                                     "mismatch/abs_logprob_diff_max", "time/step"))
+            progress.step(step, _fmt(metrics, reward="reward/mean", accuracy="accuracy", length="response_length/mean",
+                                     loss="loss", grad_norm="grad_norm", mismatch_max="mismatch/abs_logprob_diff_max",
+                                     seconds="time/step"))
 
             _release_freed_memory()
 
@@ -391,10 +393,6 @@ def _eval_part(record: dict[str, Any]) -> dict[str, float]:
     return {k: v for k, v in record.items() if k.startswith("eval/")}
 
 
-def _fmt(metrics: dict[str, Any], *keys: str) -> str:
-    parts = []
-    for key in keys:
-        if key in metrics and metrics[key] is not None:
-            value = metrics[key]
-            parts.append(f"{key.split('/')[-1] if key.startswith('time/') else key}={value:.4g}")
-    return " ".join(parts)
+def _fmt(metrics: dict[str, Any], **shown: str) -> str:
+    """``label=value`` for each ``label=metric key`` present in ``metrics``."""
+    return " ".join(f"{label}={metrics[key]:.4g}" for label, key in shown.items() if metrics.get(key) is not None)
