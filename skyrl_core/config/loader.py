@@ -110,7 +110,9 @@ class _Walker:
                 continue
             if field.validator is not None:
                 try:
-                    field.validator(None, field, value)
+                    # Cross-field validators read other fields from the instance: give them the
+                    # values seen so far, over the class defaults.
+                    field.validator(_partial_instance(fields, kwargs, name, value), field, value)
                 except (ValueError, TypeError) as exc:
                     allowed = tuple(map(str, getattr(field.validator, "allowed", ())))
                     given = data[name]
@@ -182,6 +184,20 @@ class _Walker:
 
 
 _INVALID = object()
+
+
+def _partial_instance(fields: Mapping[str, Any], kwargs: Mapping[str, Any], name: str, value: Any) -> Any:
+    """A stand-in for the instance being built, for validators that compare fields."""
+    values: dict[str, Any] = {}
+    for other, field in fields.items():
+        default = field.default
+        if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
+            default = default.factory() if not default.takes_self else attrs.NOTHING
+        if default is not attrs.NOTHING:
+            values[other] = default
+    values.update(kwargs)
+    values[name] = value
+    return types.SimpleNamespace(**values)
 
 
 def _join(path: str, key: str) -> str:
