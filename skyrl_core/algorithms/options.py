@@ -21,8 +21,9 @@ def _help(text: str) -> dict[str, Any]:
 
 
 def _name(instance: Any, attribute: attrs.Attribute) -> str:
-    # the config loader validates fields before building the instance (instance is None then)
-    return attribute.name if instance is None else f"{type(instance).__name__}.{attribute.name}"
+    # the config loader validates fields before building the instance (it passes a stand-in that is
+    # not an attrs instance, and its message already carries the key path)
+    return f"{type(instance).__name__}.{attribute.name}" if attrs.has(type(instance)) else attribute.name
 
 
 def _number(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
