@@ -109,9 +109,15 @@ def train(config_path: str, overrides: tuple[str, ...]) -> None:
     # `resume=DIR` is shorthand for `trainer.resume=DIR`.
     overrides_list = [f"trainer.{o}" if o.startswith("resume=") else o for o in overrides_list]
     cfg = load_config_or_exit(config_path, overrides_list)
+    from skyrl_core.config.errors import ConfigError
     from skyrl_core.trainer.rl import train as run_training
 
-    run_training(cfg)
+    try:
+        run_training(cfg)
+    except ConfigError as exc:  # found by the pre-flight checks of paths, before any work
+        exc.source = config_path
+        click.echo(exc.render(), err=True)
+        sys.exit(EXIT_CONFIG_ERROR)
 
 
 def load_config_or_exit(path: str, overrides: list[str]):

@@ -30,7 +30,6 @@ from skyrl_core.algorithms.off_policy import off_policy_correction
 from skyrl_core.algorithms.reductions import reduction_weights
 from skyrl_core.config.loader import unstructure
 from skyrl_core.config.schema import Config, OffPolicyConfig
-from skyrl_core.data import load_dataset
 from skyrl_core.models import load_tokenizer
 from skyrl_core.plugins.manager import get_plugin_manager
 from skyrl_core.rollout import (
@@ -50,9 +49,10 @@ from skyrl_core.trainer.evaluate import evaluate
 from skyrl_core.trainer.loss import RLLoss
 from skyrl_core.trainer.metrics import PLOT_FILE, MetricsLog, plot_metrics
 from skyrl_core.trainer.packing import length_sorted_chunks, scatter_rows
+from skyrl_core.trainer.preflight import check_run_inputs
 from skyrl_core.trainer.progress import Progress
 from skyrl_core.trainer.reference import ReferencePolicy
-from skyrl_core.trainer.runtime import build_backend, build_engine, build_selected, handshake, resolve_model
+from skyrl_core.trainer.runtime import SMOLLM2_DIR, build_backend, build_engine, build_selected, handshake, resolve_model
 from skyrl_core.trainer.sampler import PromptSampler
 from skyrl_core.types import TrainingBatch
 
@@ -69,6 +69,7 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
     """Run RL training as ``cfg`` says; return the metrics history."""
     pm = plugin_manager or get_plugin_manager()
     tc = cfg.trainer
+    inputs = check_run_inputs(cfg, smollm2_dir=SMOLLM2_DIR)  # bad paths fail here, before anything is written
     _seed_everything(tc.seed)
     run_dir = os.path.abspath(os.path.expanduser(tc.output_dir))
     os.makedirs(run_dir, exist_ok=True)
@@ -76,11 +77,8 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
         yaml.safe_dump(unstructure(cfg), f, sort_keys=False)
 
     # --- setup: data, model, algorithm, runtimes ------------------------------------------------
-    if cfg.data.train is None:
-        raise ValueError("data.train is not set: give a JSONL or parquet dataset of prompts")
-    train_rows = load_dataset(cfg.data.train, default_env_class=cfg.environment.name)
-    eval_rows = load_dataset(cfg.data.eval, default_env_class=cfg.environment.name) if cfg.data.eval else []
-    eval_rows = eval_rows[: cfg.data.eval_size] if cfg.data.eval_size is not None else eval_rows
+    train_rows = inputs.train_rows
+    eval_rows = inputs.eval_rows[: cfg.data.eval_size] if cfg.data.eval_size is not None else eval_rows
     sampler = PromptSampler(train_rows, seed=tc.seed, shuffle=cfg.data.shuffle)
 
     model = resolve_model(cfg.model)
@@ -113,7 +111,7 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
         # --- resume ---------------------------------------------------------------------------------
         start_step, history = 0, []
         if tc.resume:
-            state = ckpt.load_checkpoint(ckpt.resolve_checkpoint(tc.resume), backend)
+            state = ckpt.load_checkpoint(inputs.resume_from, backend)
             start_step, history = int(state["step"]), state["history"]
             sampler.load_state(state["sampler"])
             kl_ctl.value = float(state["kl_coef"])
