@@ -13,6 +13,13 @@ How a ``generate`` call runs:
 - The logprob of each chosen token is the raw model distribution's (no temperature, no filter),
   computed by ``skyrl_core.ops.token_logprobs`` inside the ``engine_prefill`` / ``engine_decode``
   op sites.
+
+Hybrid decoders (``layer_types`` mixing ``full_attention`` and ``linear_attention``: Qwen3-Next's
+GatedDeltaNet layers) run through the model's own modules with the same scheduler: each slot also
+holds the linear-attention layers' conv and recurrent state (``SlotKVCache``), copied to the other
+samples of a request after its prefill and moved with a sample when the batch is compacted.
+Prefills always start at position 0 (the state of a left-padded continuation would see the padding),
+so the shared-prefix prefill is off for these models; n samples still share one prefill.
 """
 
 from __future__ import annotations
@@ -67,11 +74,15 @@ class TorchEngine:
         self.model = load_causal_lm(model, seed=seed, device=self.options.device)
         self.tokenizer = load_tokenizer(model)
         config = self.model.config.get_text_config()
-        layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
-        if layer_types != {"full_attention"}:
+        layer_types = list(getattr(config, "layer_types", None) or ["full_attention"])
+        unknown = set(layer_types) - {"full_attention", "linear_attention"}
+        if unknown:
             raise NotImplementedError(
-                f"skyrl-torch runs full-attention decoders only; this model has layer types {sorted(layer_types)}"
+                "skyrl-torch runs decoders of full-attention and linear-attention (GatedDeltaNet) layers; "
+                f"this model also has layer types {sorted(unknown)}"
             )
+        # Indices of the layers that keep a recurrent state instead of keys/values.
+        self.linear_layers = tuple(i for i, t in enumerate(layer_types) if t == "linear_attention")
         if self.options.attention != "model":
             self.model.set_attn_implementation(self.options.attention)
         self.model.requires_grad_(False)
@@ -211,7 +222,7 @@ class TorchEngine:
         prompts = [g[0].request.prompt_token_ids for g in groups]
         primaries = [g[0].slot for g in groups]
         start = 0
-        if len(groups) > 1 and self.options.shared_prefix_min_tokens > 0:
+        if len(groups) > 1 and self.options.shared_prefix_min_tokens > 0 and not self.linear_layers:
             shared = min(_common_prefix_len(prompts), min(len(p) for p in prompts) - 1)
             if shared >= self.options.shared_prefix_min_tokens:
                 with site_scope("engine_prefill"):
@@ -265,14 +276,30 @@ class TorchEngine:
             tokens[i, width - len(toks) :] = torch.tensor(toks, dtype=torch.long)
             positions[i, width - len(toks) :] = torch.arange(start, start + len(toks))
         device = cache.device
-        return self._forward_rows(cache, torch.tensor(slots, device=device), tokens.to(device), positions.to(device))
+        return self._forward_rows(
+            cache, torch.tensor(slots, device=device), tokens.to(device), positions.to(device), fresh=start == 0
+        )
 
     def _forward_rows(
-        self, cache: SlotKVCache, rows: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, *, contiguous: bool = False
+        self,
+        cache: SlotKVCache,
+        rows: torch.Tensor,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        contiguous: bool = False,
+        fresh: bool = False,
     ) -> torch.Tensor:
-        mask = cache.plan(rows, positions, contiguous=contiguous)
+        mask = cache.plan(rows, positions, contiguous=contiguous, fresh=fresh)
         if self.native is not None:
             return self.native.forward(cache, tokens, positions, mask)
+        if self.linear_layers:
+            # Attention layers take the slot mask; linear-attention layers zero the inputs of
+            # padding tokens (the 2D mask transformers' own masking would give them).
+            padding = None
+            if tokens.shape[1] > 1 and bool((positions < 0).any()):
+                padding = (positions >= 0).long()
+            mask = {"full_attention": mask, "linear_attention": padding}
         out = self.model(
             input_ids=tokens,
             attention_mask=mask,
@@ -362,6 +389,7 @@ class TorchEngine:
                 capacity=_round_up(max(capacity, cache.capacity if cache else 0), 64),
                 dtype=self.model.dtype,
                 device=self.options.device,
+                linear_layers=self.linear_layers,
             )
         return self._cache
 

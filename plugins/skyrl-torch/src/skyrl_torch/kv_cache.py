@@ -10,6 +10,16 @@ of every input token (``-1`` for padding). The model's attention layers then cal
 which writes the new keys/values in place at those positions and returns the slots' keys/values
 up to the longest visible length; ``attention_mask`` (built by ``plan``) hides every key a row
 must not see. Padding writes land in a scratch column past ``capacity`` that is never visible.
+
+Hybrid decoders (Qwen3-Next: GatedDeltaNet linear-attention layers between attention layers) keep,
+per slot and linear-attention layer, the causal conv's last inputs (``[slots, channels, width]``,
+model dtype) and the delta rule's recurrent state (``[slots, heads, key_dim, value_dim]``, fp32).
+The layers reach them through transformers' linear-attention cache API (``has_previous_state``,
+``layers[i].conv_states`` / ``recurrent_states``, ``update_conv_state``, ``update_recurrent_state``),
+which reads and writes the planned rows' slots. ``plan(..., fresh=True)`` (a prefill from position
+0) makes every row start from zero state, whatever its slot held before; otherwise rows continue
+from their slot's state. ``copy_prefix`` copies a slot's state along with its keys/values: a state
+summarises the whole sequence so far, so it is only copied at the end of what the source computed.
 """
 
 from __future__ import annotations
@@ -27,10 +37,17 @@ class SlotKVCache(Cache):
         capacity: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        linear_layers: tuple[int, ...] = (),
     ) -> None:
         super().__init__(layers=[])
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
+        # Linear-attention layers: per-slot conv inputs and recurrent state (allocated at first write).
+        self.linear_layers = tuple(linear_layers)
+        self.conv: dict[int, torch.Tensor] = {}
+        self.recurrent: dict[int, torch.Tensor] = {}
+        self.layers = [_SlotStateLayer(self, i) if i in self.linear_layers else None for i in range(num_layers)]
+        self._fresh = False
         self.num_slots = num_slots
         self.capacity = capacity
         self.dtype = dtype
@@ -42,13 +59,17 @@ class SlotKVCache(Cache):
 
     # -- what the engine calls ------------------------------------------------------------------
 
-    def plan(self, rows: torch.Tensor, positions: torch.Tensor, *, contiguous: bool = False) -> torch.Tensor:
+    def plan(
+        self, rows: torch.Tensor, positions: torch.Tensor, *, contiguous: bool = False, fresh: bool = False
+    ) -> torch.Tensor:
         """Prepare a forward of ``positions.shape`` tokens for slots ``rows``; return its 4D additive mask.
 
         ``positions[i, t]`` is the position of token ``t`` of row ``i`` (``-1`` for padding). A real
         token sees every key of its own slot at a position ``<=`` its own; a padding token sees key 0
         only (its output is discarded; this keeps softmax finite). ``contiguous`` promises that
         ``rows`` is ``0..n-1``, so attention reads a view of the cache instead of a gathered copy.
+        ``fresh``: every row starts its sequence here (position 0), so linear-attention layers start
+        from zero state instead of their slot's.
         """
         kv_len = int(positions.max()) + 1
         if kv_len > self.capacity:
@@ -57,6 +78,10 @@ class SlotKVCache(Cache):
         self._contiguous_rows = int(rows.shape[0]) if contiguous else 0
         self._write_pos = torch.where(positions >= 0, positions, self.capacity)
         self._kv_len = kv_len
+        self._fresh = fresh
+        for layer in self.layers:
+            if layer is not None:
+                layer.handed_out = None
         key_pos = torch.arange(kv_len, device=positions.device)
         visible = key_pos.view(1, 1, -1) <= positions.clamp(min=0).unsqueeze(-1)  # [n, q, kv]
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=positions.device)
@@ -71,6 +96,8 @@ class SlotKVCache(Cache):
         for cache in (*self.keys, *self.values):
             if cache is not None:
                 cache[dst, :, :length] = cache[src_slot, :, :length]
+        for state in (*self.conv.values(), *self.recurrent.values()):
+            state[dst] = state[src_slot].clone()
 
     # -- what attention layers call ------------------------------------------------------------
 
@@ -94,6 +121,54 @@ class SlotKVCache(Cache):
             return keys[:n, :, : self._kv_len], values[:n, :, : self._kv_len]
         return keys[self._rows, :, : self._kv_len], values[self._rows, :, : self._kv_len]
 
+    # -- what linear-attention layers call (transformers' linear-attention cache API) ----------
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        return not self._fresh
+
+    def update_conv_state(
+        self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, conv_kernel_size: int | None = None, **kwargs
+    ) -> torch.Tensor:
+        """Append this forward's conv inputs ``[n, channels, q]`` to the rows' history; keep the
+        last ``conv_kernel_size`` per slot; return the history plus the new inputs (what the
+        layer convolves, as transformers' ``LinearAttentionLayer`` returns it)."""
+        stored = self.conv.get(layer_idx)
+        width = conv_kernel_size or (stored.shape[-1] if stored is not None else conv_states.shape[-1])
+        if stored is None:
+            stored = self.conv[layer_idx] = torch.zeros(
+                (self.num_slots, conv_states.shape[1], width), dtype=conv_states.dtype, device=self.device
+            )
+        if self._fresh:
+            full = conv_states
+            if full.shape[-1] < width:
+                full = torch.nn.functional.pad(full, (width - full.shape[-1], 0))
+        else:
+            full = torch.cat((self._read(stored), conv_states.to(stored.dtype)), dim=-1)
+        stored[self._rows] = full[..., -width:].to(stored.dtype)
+        self.layers[layer_idx].handed_out = None  # superseded
+        return full
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        stored = self.recurrent.get(layer_idx)
+        if stored is None:
+            stored = self.recurrent[layer_idx] = torch.zeros(
+                (self.num_slots, *recurrent_states.shape[1:]), dtype=torch.float32, device=self.device
+            )
+        stored[self._rows] = recurrent_states.to(stored.dtype)
+        layer = self.layers[layer_idx]
+        if layer.handed_out is not None:
+            # transformers' one-token decode updates the conv history it read in place; when that
+            # was a gathered copy (rows not 0..n-1), write it back.
+            self.conv[layer_idx][self._rows] = layer.handed_out
+            layer.handed_out = None
+        return recurrent_states
+
+    def _read(self, stored: torch.Tensor) -> torch.Tensor:
+        """The rows' part of a per-slot state: a view for contiguous rows, else a gathered copy."""
+        if self._contiguous_rows:
+            return stored[: self._contiguous_rows]
+        return stored[self._rows]
+
     def _allocate(self, like: torch.Tensor) -> torch.Tensor:
         # Zeros, not empty: masked keys still enter the score product, and garbage could be NaN.
         # +1 column: the scratch position padding writes to.
@@ -108,4 +183,32 @@ class SlotKVCache(Cache):
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values) if t is not None)
+        tensors = (*self.keys, *self.values, *self.conv.values(), *self.recurrent.values())
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class _SlotStateLayer:
+    """``cache.layers[i]`` of a linear-attention layer: its rows' states, as transformers reads them."""
+
+    record_past = False  # no rollback recording
+
+    def __init__(self, cache: SlotKVCache, layer_idx: int) -> None:
+        self.cache = cache
+        self.layer_idx = layer_idx
+        self.handed_out: torch.Tensor | None = None  # a gathered conv history the layer may update in place
+
+    @property
+    def conv_states(self) -> dict[int, torch.Tensor]:
+        stored = self.cache.conv.get(self.layer_idx)
+        if stored is None or self.cache._fresh:
+            raise RuntimeError(f"layer {self.layer_idx}: no previous conv state to read (a fresh prefill)")
+        rows = self.cache._read(stored)
+        self.handed_out = None if self.cache._contiguous_rows else rows
+        return {0: rows}
+
+    @property
+    def recurrent_states(self) -> dict[int, torch.Tensor]:
+        stored = self.cache.recurrent.get(self.layer_idx)
+        if stored is None or self.cache._fresh:
+            raise RuntimeError(f"layer {self.layer_idx}: no previous recurrent state to read (a fresh prefill)")
+        return {0: self.cache._read(stored)}
