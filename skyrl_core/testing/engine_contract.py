@@ -62,6 +62,34 @@ TINY_QWEN3 = {
 MODEL_SEED = 0
 
 # Printable-ASCII token ids (bytes for a ByteTokenizer; arbitrary tokens for a real vocabulary).
+# A hybrid decoder: GatedDeltaNet linear-attention layers (a recurrent state per sequence) around
+# an attention layer, with MoE. For engines that run models with ``layer_types`` beyond attention.
+TINY_QWEN3_NEXT = {
+    "model_type": "qwen3_next",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "vocab_size": 512,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+    # Peaked like TINY_QWEN3, but not 0.2: there transformers' chunked delta rule (a full forward,
+    # the reference) and its recurrent one-token decode already differ by ~3e-5 in fp32.
+    "initializer_range": 0.1,
+}
+
 CONTRACT_PROMPTS: tuple[tuple[int, ...], ...] = (
     (72, 101, 108, 108, 111, 44, 32, 119),
     (49, 43, 50, 61),

@@ -1,16 +1,23 @@
-"""The inference-engine contract suite on skyrl-torch, for a tied-embedding Qwen3 and an untied Llama."""
+"""The inference-engine contract suite on skyrl-torch, for a tied-embedding Qwen3, an untied Llama
+and a hybrid Qwen3-Next (GatedDeltaNet linear-attention layers around an attention layer, MoE)."""
 
 import pytest
 
 from skyrl_core.config.schema import ModelConfig
-from skyrl_core.testing.engine_contract import TINY_QWEN3, EngineContract
+from skyrl_core.testing.engine_contract import TINY_QWEN3, TINY_QWEN3_NEXT, EngineContract
 from skyrl_torch.engine import TorchEngine
 from skyrl_torch.options import TorchEngineOptions
 
 TINY_LLAMA = {**TINY_QWEN3, "model_type": "llama", "tie_word_embeddings": False}
 
 
-@pytest.mark.parametrize("model_config", [TINY_QWEN3, TINY_LLAMA], ids=["qwen3-tied", "llama-untied"], indirect=True, scope="class")
+@pytest.mark.parametrize(
+    "model_config",
+    [TINY_QWEN3, TINY_LLAMA, TINY_QWEN3_NEXT],
+    ids=["qwen3-tied", "llama-untied", "qwen3-next-hybrid"],
+    indirect=True,
+    scope="class",
+)
 class TestTorchEngineContract(EngineContract):
     @pytest.fixture(scope="class")
     @classmethod
