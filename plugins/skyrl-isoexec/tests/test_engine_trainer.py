@@ -7,9 +7,9 @@ import pytest
 
 from skyrl_isoexec.verify import verify
 
-# The families skyrl-torch runs (it refuses hybrid linear-attention models such as Qwen3-Next,
-# whose parity is covered at model level in test_model_parity.py).
-ENGINE_FAMILIES = ("qwen3", "llama", "qwen3-moe")
+# Every preset family; Qwen3-Next is hybrid (GatedDeltaNet linear attention + attention): the
+# engine carries each sample's conv and recurrent state from its prefill through decode.
+ENGINE_FAMILIES = ("qwen3", "llama", "qwen3-moe", "qwen3-next")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
