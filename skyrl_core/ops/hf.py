@@ -1,8 +1,9 @@
 """Op-site patching of transformers models: each module that computes an op calls the implementation
 installed at the current site.
 
-``prepare_model`` calls ``patch_hf_model`` when a plugin installed a non-stock implementation at one
-of the role's sites. Each patched module asks its ``OpDispatch`` for the op's implementation at
+``prepare_model`` calls ``patch_hf_model`` (its default patcher) when a plugin installed a non-stock
+implementation at one of the role's sites. Each patched module asks its ``OpDispatch``
+(``skyrl_core.ops.dispatch``, shared with other runtimes' patchers) for the op's implementation at
 ``current_site()``: the stock implementation is the module's own (original) forward, so a site that
 keeps stock numerics computes exactly what transformers computes; any other implementation is
 called with the op's calling convention below. Every call is observed in the ledger (the
@@ -34,16 +35,15 @@ elementwise, hence identical for every batching; only the cos/sin computation is
 
 from __future__ import annotations
 
-import functools
 import sys
-from typing import Any, Callable
+from typing import Any
 
-from skyrl_core.ops.install import DEFAULT_IMPLS
+from skyrl_core.ops.dispatch import UNSCOPED, OpDispatch, PatchRecord, attach_dispatch, patch_forward
 from skyrl_core.ops.ledger import OpLedger
-from skyrl_core.ops.vocabulary import current_site
+
+__all__ = ["ATTENTION_NAME", "UNSCOPED", "OpDispatch", "patch_hf_model"]
 
 ATTENTION_NAME = "skyrl_ops"
-UNSCOPED = "unscoped"
 
 # RMSNorm classes by computation; any other class whose name ends in "RMSNorm" is left unpatched
 # and reported (``ledger.meta["unpatched"]``), so that a plugin can refuse it.
@@ -54,54 +54,13 @@ _ROPE_TYPES = {"default", "linear", "llama3", "yarn"}  # inv_freq-based, no runt
 _SITE_CLASS_SUFFIXES = ("RMSNorm", "RMSNormGated", "RotaryEmbedding", "Attention", "MLP", "SparseMoeBlock", "GatedDeltaNet")
 
 
-class OpDispatch:
-    """Resolves, per call, the implementation of an op at the current site, and observes it.
-
-    ``tap``, when set, is called as ``tap(op, module_name, output)`` after every op a patched module
-    computes (debugging: per-op digests).
-    """
-
-    def __init__(self, ledger: OpLedger) -> None:
-        self.ledger = ledger
-        self.tap: Callable[[str, str, Any], None] | None = None
-        self._loaded: dict[str, Callable[..., Any]] = {}
-
-    def resolve(self, op: str, module: Any = None) -> Callable[..., Any] | None:
-        """The installed implementation's callable, or None where the stock one (the module's own
-        forward) is installed. ``module`` is the patched module asking (recorded as having run)."""
-        site = current_site()
-        impl = self.ledger.impl(op, site) if site is not None else None
-        name = getattr(module, "_skyrl_name", None)
-        if impl is None or impl.name == DEFAULT_IMPLS[op].name:
-            self.ledger.observe(op, site if impl is not None else UNSCOPED, DEFAULT_IMPLS[op].name, name)
-            return None
-        self.ledger.observe(op, site, impl.name, name)
-        fn = self._loaded.get(impl.name)
-        if fn is None:
-            fn = self._loaded[impl.name] = impl.load_factory()
-        return fn
-
-    def call(self, op: str, module: Any, stock: Callable[[], Any], installed: Callable[[Callable[..., Any]], Any]) -> Any:
-        """``stock()`` where the stock implementation is installed, else ``installed(fn)``."""
-        fn = self.resolve(op, module)
-        out = stock() if fn is None else installed(fn)
-        self.emit(op, module, out)
-        return out
-
-    def emit(self, op: str, module: Any, out: Any) -> None:
-        if self.tap is not None:
-            self.tap(op, getattr(module, "_skyrl_name", ""), out)
-
-
 def _bare_class_name(module: Any) -> str:
     # FSDP2 swaps a module's class for a subclass named "FSDP<Name>".
     name = type(module).__name__
     return name[4:] if name.startswith("FSDP") and len(name) > 4 else name
 
 
-def _patch(module: Any, forward: Callable[..., Any]) -> None:
-    module._skyrl_stock_forward = module.forward
-    module.forward = functools.partial(forward, module)
+_patch = patch_forward  # the name this module used before the dispatch moved to skyrl_core.ops.dispatch
 
 
 # --- per-op module forwards ---------------------------------------------------------------------
@@ -258,61 +217,42 @@ def patch_hf_model(model: Any, ledger: OpLedger) -> None:
     """
     from torch import nn
 
-    if getattr(model, "_skyrl_dispatch", None) is not None:
-        model._skyrl_dispatch.ledger = ledger
+    dispatch = attach_dispatch(model, ledger)
+    if dispatch is None:
         return
-    dispatch = OpDispatch(ledger)
-    model._skyrl_dispatch = dispatch
-    counts: dict[str, int] = {}
-    unpatched: list[str] = []
-
-    named: list[str] = []
-
-    def claim(module, op, forward):
-        module._skyrl_dispatch = dispatch
-        module._skyrl_name = qualname
-        named.append(qualname)
-        _patch(module, forward)
-        counts[op] = counts.get(op, 0) + 1
-
+    record = PatchRecord(dispatch)
     has_attention = False
     for qualname, module in model.named_modules():
         name = _bare_class_name(module)
         if isinstance(module, nn.Linear):
-            claim(module, "linear", _linear_forward)
+            record.claim(module, qualname, "linear", _linear_forward)
         elif isinstance(module, nn.Embedding):
-            claim(module, "embedding", _embedding_forward)
+            record.claim(module, qualname, "embedding", _embedding_forward)
         elif name in _RMS_NORM_PLAIN | _RMS_NORM_UNIT_OFFSET | _RMS_NORM_GATED:
             module._skyrl_unit_offset = name in _RMS_NORM_UNIT_OFFSET
-            claim(module, "rms_norm", _rms_norm_forward)
+            record.claim(module, qualname, "rms_norm", _rms_norm_forward)
         elif name.endswith("RotaryEmbedding") and getattr(module, "rope_type", None) in _ROPE_TYPES:
-            claim(module, "rope", _rope_forward)
+            record.claim(module, qualname, "rope", _rope_forward)
         elif name.endswith("MLP") and _is_silu_mlp(module):
-            claim(module, "silu_mul", _mlp_forward)
+            record.claim(module, qualname, "silu_mul", _mlp_forward)
         elif name.endswith("SparseMoeBlock") and _is_topk_moe(module):
-            claim(module, "moe_router", _moe_block_forward)
-            for op in ("moe_experts", "moe_combine"):
-                counts[op] = counts.get(op, 0) + 1
+            record.claim(module, qualname, "moe_router", _moe_block_forward, also=("moe_experts", "moe_combine"))
         elif name.endswith("GatedDeltaNet"):
             from skyrl_core.ops.hf_gdn import gdn_forward
 
-            claim(module, "gdn_core", gdn_forward)
-            counts["gdn_conv"] = counts.get("gdn_conv", 0) + 1
+            record.claim(module, qualname, "gdn_core", gdn_forward, also=("gdn_conv",))
         elif name.endswith("Attention") and hasattr(module, "o_proj"):
-            module._skyrl_dispatch = dispatch
-            module._skyrl_name = qualname
-            named.append(qualname)
+            record.claim(module, qualname, "attention")  # dispatches through the registered attention function
             has_attention = True
-            counts["attention"] = counts.get("attention", 0) + 1
         elif name.endswith(_SITE_CLASS_SUFFIXES):
-            unpatched.append(f"{qualname or '<model>'} ({name})")
+            record.refuse(qualname, name)
     if has_attention:
         _register_attention()
         previous = _set_attention(model.config)
         for module in model.modules():
             if hasattr(module, "o_proj") and getattr(module, "_skyrl_dispatch", None) is dispatch:
                 module._skyrl_stock_attention = previous
-    ledger.meta.update(op_modules=dict(sorted(counts.items())), unpatched=unpatched, patched_modules=sorted(named))
+    record.finish(ledger)
 
 
 def _is_silu_mlp(module: Any) -> bool:

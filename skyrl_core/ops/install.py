@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from skyrl_core.ops.ledger import OpLedger
 from skyrl_core.ops.vocabulary import OPS, ROLE_SITES, SITES, current_site
@@ -37,14 +37,19 @@ def install_op(op: str, site: str, impl: OpImplSpec | None = None, *, plugin_man
     return chosen or impl or DEFAULT_IMPLS[op]
 
 
-def prepare_model(model: Any, role: str, *, plugin_manager: Any = None, compute_dtype: Any = None) -> OpLedger:
+def prepare_model(
+    model: Any, role: str, *, plugin_manager: Any = None, compute_dtype: Any = None,
+    patcher: Callable[[Any, OpLedger], None] | None = None,
+) -> OpLedger:
     """Install every op at every site of ``role`` for ``model``; return the ledger.
 
     With only default implementations installed the model is left untouched. When a plugin
     substitutes an implementation at any site, the model's modules are patched once
     (``skyrl_core.ops.hf.patch_hf_model``) so that each op dispatches, per call, to the
     implementation installed at the current site. ``model`` may be None (declare only, e.g. for a
-    contract) or a transformers causal LM. ``compute_dtype`` is the dtype the runtime computes in
+    contract) or a transformers causal LM; a runtime whose model is built from other layers passes
+    its own ``patcher(model, ledger)`` (built on ``skyrl_core.ops.dispatch``, e.g.
+    ``skyrl_megatron.ops_sites.patch_megatron_model``). ``compute_dtype`` is the dtype the runtime computes in
     when it differs from the parameters' (e.g. bf16 compute over fp32 master weights); it is
     recorded as ``ledger.meta["dtype"]``.
     """
@@ -60,9 +65,10 @@ def prepare_model(model: Any, role: str, *, plugin_manager: Any = None, compute_
         ledger.meta.update(architecture=type(model).__name__.removeprefix("FSDP"), dtype=str(dtype).removeprefix("torch."))
         stock = all(impl.name == DEFAULT_IMPLS[impl.op].name for impl in ledger.declared.values())
         if not stock:
-            from skyrl_core.ops.hf import patch_hf_model
+            if patcher is None:
+                from skyrl_core.ops.hf import patch_hf_model as patcher
 
-            patch_hf_model(model, ledger)
+            patcher(model, ledger)
         model._skyrl_op_ledger = ledger
     if compute_dtype is not None:
         ledger.meta["dtype"] = str(compute_dtype).removeprefix("torch.")

@@ -56,17 +56,29 @@ def contract_show(config_path: str, overrides: tuple[str, ...]) -> None:
 @click.option("--seed", type=int, default=0, show_default=True, help="Model, prompt and sampling seed.")
 @click.option("--batches", type=click.IntRange(min=1), default=3, show_default=True, help="Generation batches.")
 @click.option("--off", is_flag=True, help="Run with IsoExec off, to show the native mismatch.")
-def verify_command(preset, model_dir, engine, dtype, seed, batches, off) -> None:
-    """Generate with the engine, score the same tokens in the trainer, compare bits; exit 1 if any differ."""
+@click.option("--backend", type=click.Choice(["fsdp", "megatron"]), default="fsdp", show_default=True,
+              help="Training backend that scores the tokens (megatron: skyrl-megatron's GPTModel on CPU/gloo).")
+@click.option("--tensor-parallel", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Megatron only: tensor-parallel degree (2 or more runs Ray actors); the bits must not change with it.")
+def verify_command(preset, model_dir, engine, dtype, seed, batches, off, backend, tensor_parallel) -> None:
+    """Generate with the engine, score the same tokens in the trainer, compare bits; exit 1 if any differ.
+
+    The trainer is skyrl-fsdp (default) or, with --backend megatron, skyrl-megatron at
+    --tensor-parallel 1 or more; with IsoExec on either gives the engine's bits (0 differing tokens),
+    --off shows how many differ natively. Exit 2: the pair cannot run (e.g. bfloat16 with megatron,
+    which trains in fp32 on CPU).
+    """
     if (preset is None) == (model_dir is None):
         raise click.UsageError("give exactly one of --preset and --model")
+    if tensor_parallel != 1 and backend != "megatron":
+        raise click.UsageError("--tensor-parallel needs --backend megatron")
     from skyrl_core.plugins.manager import PluginError
     from skyrl_isoexec.verify import verify
 
     try:
         report = verify(
             preset=preset, model_dir=model_dir, engine=engine, dtype=dtype, seed=seed, batches=batches, off=off,
-            echo=click.echo,
+            backend=backend, tensor_parallel=tensor_parallel, echo=click.echo,
         )
     except (NotImplementedError, ValueError, KeyError, PluginError) as exc:  # an engine or model that cannot run this
         click.echo(f"error: {exc}", err=True)

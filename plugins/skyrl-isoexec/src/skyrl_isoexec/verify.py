@@ -1,9 +1,10 @@
 """``skyrl isoexec verify``: generate with an engine, score the same tokens in the trainer, compare bits.
 
-The engine generates over mixed prompt lengths and batch compositions; the FSDP trainer then
-scores every sample under several batch compositions (all at once, reversed, one at a time), so
-each token is scored with other paddings, neighbours and micro-batchings than it was generated
-with. Logprobs are compared on their fp32 bit patterns.
+The engine generates over mixed prompt lengths and batch compositions; the trainer (the skyrl-fsdp
+backend, or skyrl-megatron at tensor parallel 1 or more) then scores every sample under several
+batch compositions (all at once, reversed, one at a time), so each token is scored with other
+paddings, neighbours and micro-batchings than it was generated with. Logprobs are compared on their
+fp32 bit patterns.
 """
 
 from __future__ import annotations
@@ -54,6 +55,25 @@ def build_runtime(kind: str, name: str, options: dict[str, Any], model: Any, **k
 
     spec = get_plugin_manager().spec(kind, name)
     return spec.load_factory()(model, structure_options(spec, options, path=f"{kind}:{name}"), **kwargs)
+
+
+TRAINER_BACKENDS = ("fsdp", "megatron")
+
+
+def trainer_options(backend: str, *, dtype: str, world_size: int = 1, tensor_parallel: int = 1) -> dict[str, Any]:
+    """The options of the trainer backend ``backend`` on CPU: ``world_size`` processes (FSDP) or
+    ``world_size`` data-parallel replicas of ``tensor_parallel`` processes each (Megatron)."""
+    precision = "bf16" if dtype == "bfloat16" else "fp32"
+    if backend == "fsdp":
+        if tensor_parallel != 1:
+            raise ValueError(f"tensor parallel {tensor_parallel} needs --backend megatron (skyrl-fsdp shards, it does not split layers)")
+        return {"world_size": world_size, "device": "cpu", "mixed_precision": precision}
+    if backend == "megatron":
+        return {
+            "tensor_parallel": tensor_parallel, "world_size": tensor_parallel * world_size, "device": "cpu",
+            "mixed_precision": precision,
+        }
+    raise ValueError(f"verify builds the trainer from one of {', '.join(TRAINER_BACKENDS)}; got {backend!r}")
 
 
 def model_config(*, preset: str | None, model_dir: str | None, dtype: str) -> Any:
@@ -127,22 +147,23 @@ def verify(
     batches: int = 3,
     off: bool = False,
     world_size: int = 1,
+    backend: str = "fsdp",
+    tensor_parallel: int = 1,
     echo: Callable[[str], None] = print,
 ) -> VerifyReport:
-    """Generate ``batches`` batches with ``engine``, score them in the FSDP trainer, compare bits."""
+    """Generate ``batches`` batches with ``engine``, score them in the trainer ``backend`` (``fsdp`` or
+    ``megatron``, at ``tensor_parallel``), compare bits."""
     from skyrl_core.config.schema import TrainerConfig
     from skyrl_isoexec.contract import build_contract, compare
 
     from skyrl_core.plugins.manager import get_plugin_manager
 
     model = model_config(preset=preset, model_dir=model_dir, dtype=dtype)
+    options = trainer_options(backend, dtype=dtype, world_size=world_size, tensor_parallel=tensor_parallel)
     get_plugin_manager().spec("inference_engine", engine)  # an unknown name fails before any build
+    get_plugin_manager().spec("training_backend", backend)
     with state.enabled_scope(not off):
-        trainer = build_runtime(
-            "training_backend", "fsdp",
-            {"world_size": world_size, "device": "cpu", "mixed_precision": "bf16" if dtype == "bfloat16" else "fp32"},
-            model, seed=seed, trainer=TrainerConfig(micro_batch_size=3),
-        )
+        trainer = build_runtime("training_backend", backend, options, model, seed=seed, trainer=TrainerConfig(micro_batch_size=3))
         generator = build_runtime("inference_engine", engine, {}, model, seed=seed)
         try:
             enabled = state.enabled()

@@ -8,6 +8,7 @@ default order). Every rank of a replica receives the same rows; each replica its
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import os
@@ -27,12 +28,30 @@ from skyrl_megatron import logprobs as vp
 from skyrl_megatron.convert import expert_name, hf_to_megatron, megatron_to_hf
 from skyrl_megatron.layout import GPTLayout, layout_from_hf_config
 from skyrl_megatron.model import build_gpt_model, left_align, load_parameters, transformer_engine_available
+from skyrl_megatron.ops_sites import patch_megatron_model
 from skyrl_megatron.optimizers import MegatronAdam, ShardedAdamW, wrap_for_gpu_training
 from skyrl_megatron.options import MegatronOptions
 from skyrl_core.lr_schedule import lr_factor
 
 CHECKPOINT_FORMAT = 1
 TRAINER_STATE_FILE = "megatron_trainer_state.pt"
+
+
+def skyrl_environment() -> dict[str, str]:
+    """This process's ``SKYRL_*`` environment variables (plugin switches such as ``SKYRL_ISOEXEC``)."""
+    return {k: v for k, v in os.environ.items() if k.startswith("SKYRL_")}
+
+
+def adopt_skyrl_environment(environ: dict[str, str]) -> None:
+    """Make this process's ``SKYRL_*`` variables exactly ``environ`` (the driver's).
+
+    A Ray worker inherits the environment of the Ray session, i.e. of the process that started Ray,
+    not of the driver's present state: a plugin switched on or off since (IsoExec for one verify
+    run, then off for the next) would otherwise decide differently in the ranks than in the driver.
+    """
+    for key in [k for k in os.environ if k.startswith("SKYRL_") and k not in environ]:
+        del os.environ[key]
+    os.environ.update(environ)
 
 
 def shard_file(rank: int) -> str:
@@ -139,7 +158,10 @@ class MegatronRank:
         seed: int,
         rank: int = 0,
         init_method: str | None = None,
+        environ: dict[str, str] | None = None,
     ) -> None:
+        if environ is not None:
+            adopt_skyrl_environment(environ)
         if options.torch_threads is not None:
             torch.set_num_threads(options.torch_threads)
         self.options, self.trainer, self.model_config = options, trainer, model
@@ -206,7 +228,10 @@ class MegatronRank:
         load_parameters(self.model, shard)
         del hf_state, shard
         self.vocab_width = self.layout.padded_vocab_size(self.tp) // self.tp
-        self.ledger = prepare_model(self.model, "trainer")
+        # Op sites: megatron's layers dispatch to what plugins install (skyrl_megatron.ops_sites).
+        self.ledger = prepare_model(
+            self.model, "trainer", patcher=functools.partial(patch_megatron_model, vocab_size=self.layout.vocab_size)
+        )
         self.optimizer_steps = 0
         # One optimizer step per mini-batch per PPO epoch of every training step.
         self.total_optimizer_steps = self.trainer.steps * self.trainer.mini_batches * self.trainer.ppo_epochs

@@ -14,7 +14,7 @@ import ray  # noqa: E402
 
 from skyrl_core.local_ray import ensure_local_ray  # noqa: E402
 
-from skyrl_megatron.rank import MegatronRank  # noqa: E402
+from skyrl_megatron.rank import MegatronRank, skyrl_environment  # noqa: E402
 
 READY_TIMEOUT_S = 300
 
@@ -41,7 +41,9 @@ def start_ranks(model: Any, options: Any, trainer: Any, *, seed: int, use_gpu: b
     # keep a second backend (a reference model, a test's second run) from starting on a small machine.
     actor_class = ray.remote(num_cpus=0, num_gpus=1 if use_gpu else 0)(MegatronRank)
     actors = [
-        actor_class.remote(model, options, trainer, seed=seed, rank=rank, init_method=init_method)
+        actor_class.remote(
+            model, options, trainer, seed=seed, rank=rank, init_method=init_method, environ=skyrl_environment()
+        )
         for rank in range(world)
     ]
     try:
