@@ -46,7 +46,8 @@ class SlotKVCache(Cache):
         self.linear_layers = tuple(linear_layers)
         self.conv: dict[int, torch.Tensor] = {}
         self.recurrent: dict[int, torch.Tensor] = {}
-        self.layers = [_SlotStateLayer(self, i) if i in self.linear_layers else None for i in range(num_layers)]
+        if self.linear_layers:  # (dense models keep transformers' empty layer list)
+            self.layers = [_SlotStateLayer(self, i) if i in self.linear_layers else None for i in range(num_layers)]
         self._fresh = False
         self.num_slots = num_slots
         self.capacity = capacity
