@@ -24,3 +24,21 @@ def ensure_local_ray(num_cpus: int) -> None:
         num_cpus=max(num_cpus, os.cpu_count() or 1),
         runtime_env={"env_vars": dict(RAY_ENV_VARS)},
     )
+
+
+def skyrl_environment() -> dict[str, str]:
+    """This process's ``SKYRL_*`` environment variables (plugin switches such as ``SKYRL_ISOEXEC``)."""
+    return {k: v for k, v in os.environ.items() if k.startswith("SKYRL_")}
+
+
+def adopt_skyrl_environment(environ: dict[str, str]) -> None:
+    """Make this process's ``SKYRL_*`` variables exactly ``environ`` (the driver's).
+
+    A Ray worker inherits the environment of the Ray session, i.e. of the process that started Ray,
+    not the driver's present state: a plugin switched on or off since (IsoExec on for one verify
+    run, off for the next) would otherwise decide differently in the ranks than in the driver.
+    Every rank actor calls this first with the ``skyrl_environment()`` its driver sent.
+    """
+    for key in [k for k in os.environ if k.startswith("SKYRL_") and k not in environ]:
+        del os.environ[key]
+    os.environ.update(environ)

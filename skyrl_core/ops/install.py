@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from skyrl_core.ops.ledger import OpLedger
 from skyrl_core.ops.vocabulary import OPS, ROLE_SITES, SITES, current_site
@@ -38,7 +38,7 @@ def install_op(op: str, site: str, impl: OpImplSpec | None = None, *, plugin_man
 
 
 def prepare_model(
-    model: Any, role: str, *, plugin_manager: Any = None, compute_dtype: Any = None,
+    model: Any, role: str, *, plugin_manager: Any = None, compute_dtype: Any = None, defaults: Mapping[str, OpImplSpec] | None = None,
     patcher: Callable[[Any, OpLedger], None] | None = None,
 ) -> OpLedger:
     """Install every op at every site of ``role`` for ``model``; return the ledger.
@@ -51,14 +51,16 @@ def prepare_model(
     its own ``patcher(model, ledger)`` (built on ``skyrl_core.ops.dispatch``, e.g.
     ``skyrl_megatron.ops_sites.patch_megatron_model``). ``compute_dtype`` is the dtype the runtime computes in
     when it differs from the parameters' (e.g. bf16 compute over fp32 master weights); it is
-    recorded as ``ledger.meta["dtype"]``.
+    recorded as ``ledger.meta["dtype"]``. ``defaults`` maps ops to the runtime's own choice of
+    implementation (e.g. ``{"linear": ONEDNN_LINEAR}``) where it is not the stock one; plugins
+    still decide last (``skyrl_install_op`` receives it as ``impl``).
     """
     if role not in ROLE_SITES:
         raise ValueError(f"unknown role {role!r}; roles are {', '.join(ROLE_SITES)}")
     ledger = OpLedger(role=role)
     for site in ROLE_SITES[role]:
         for op in OPS:
-            ledger.declare(op, site, install_op(op, site, plugin_manager=plugin_manager))
+            ledger.declare(op, site, install_op(op, site, (defaults or {}).get(op), plugin_manager=plugin_manager))
     if model is not None:
         params = getattr(model, "parameters", None)
         dtype = next((p.dtype for p in params() if p.is_floating_point()), None) if params else None

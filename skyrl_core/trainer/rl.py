@@ -14,7 +14,6 @@ optimizer and RNG, so its metrics equal those of an uninterrupted run.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import math
 import os
 import random
@@ -30,6 +29,7 @@ from skyrl_core.algorithms.off_policy import off_policy_correction
 from skyrl_core.algorithms.reductions import reduction_weights
 from skyrl_core.config.loader import unstructure
 from skyrl_core.config.schema import Config, OffPolicyConfig
+from skyrl_core.heap import keep_freed_memory, release_freed_memory
 from skyrl_core.models import load_tokenizer
 from skyrl_core.plugins.manager import get_plugin_manager
 from skyrl_core.rollout import (
@@ -71,6 +71,7 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
     tc = cfg.trainer
     inputs = check_run_inputs(cfg, smollm2_dir=SMOLLM2_DIR)  # bad paths fail here, before anything is written
     _seed_everything(tc.seed)
+    keep_freed_memory()  # activation tensors reuse heap blocks instead of faulting in fresh pages
     run_dir = os.path.abspath(os.path.expanduser(tc.output_dir))
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as f:
@@ -78,7 +79,7 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
 
     # --- setup: data, model, algorithm, runtimes ------------------------------------------------
     train_rows = inputs.train_rows
-    eval_rows = inputs.eval_rows[: cfg.data.eval_size] if cfg.data.eval_size is not None else eval_rows
+    eval_rows = inputs.eval_rows[: cfg.data.eval_size]  # eval_size None: all
     sampler = PromptSampler(train_rows, seed=tc.seed, shuffle=cfg.data.shuffle)
 
     model = resolve_model(cfg.model)
@@ -239,7 +240,7 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
                                      loss="loss", grad_norm="grad_norm", mismatch_max="mismatch/abs_logprob_diff_max",
                                      seconds="time/step"))
 
-            _release_freed_memory()
+            release_freed_memory()
 
             # 7. checkpoint every k steps and at the end
             if (tc.checkpoint_every and step % tc.checkpoint_every == 0) or step == tc.steps:
@@ -375,16 +376,6 @@ def _mean_metrics(records: list[dict[str, float]]) -> dict[str, float]:
         values = [r[key] for r in records if key in r]
         out[key] = values[-1] if key == "lr" else sum(values) / len(values)
     return out
-
-
-def _release_freed_memory() -> None:
-    """Hand memory freed during the step back to the OS. glibc keeps freed heap pages of the step's
-    many differently shaped tensors (GBs for a 135M model), which on a shared machine looks like a
-    leak and invites the OOM killer."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
 
 
 def _eval_part(record: dict[str, Any]) -> dict[str, float]:

@@ -30,6 +30,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from skyrl_core.config.schema import ModelConfig, TrainerConfig
+from skyrl_core.heap import keep_freed_memory
 from skyrl_core.interfaces import LossFn
 from skyrl_core.models import load_causal_lm, load_tokenizer
 from skyrl_core.ops import prepare_model, site_scope, token_logprobs
@@ -162,6 +163,7 @@ class FSDPRank:
         world_size: int = 1,
         init_method: str | None = None,
     ) -> None:
+        keep_freed_memory()  # per process: Ray ranks are fresh interpreters
         if options.threads_per_rank is not None:
             torch.set_num_threads(options.threads_per_rank)
         self.model_config = model
@@ -176,7 +178,12 @@ class FSDPRank:
         # Same seed on every rank: identical initial weights before sharding.
         self.model = load_causal_lm(attrs.evolve(model, dtype="float32"), seed=seed)
         compute_dtype = torch.bfloat16 if options.mixed_precision == "bf16" else None
-        self.ledger = prepare_model(self.model, "trainer", compute_dtype=compute_dtype)
+        defaults = {}
+        if self.device.type == "cpu" and options.cpu_gemm == "onednn" and compute_dtype is None:
+            from skyrl_core.ops.onednn import ONEDNN_LINEAR
+
+            defaults["linear"] = ONEDNN_LINEAR
+        self.ledger = prepare_model(self.model, "trainer", compute_dtype=compute_dtype, defaults=defaults)
         self.aliases = tied_aliases(self.model)
         self._logits_to_keep = _accepts_keyword(self.model.forward, "logits_to_keep")
         self.model.to(self.device)

@@ -17,7 +17,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 import attrs  # noqa: E402
 import ray  # noqa: E402
 
-from skyrl_core.local_ray import ensure_local_ray  # noqa: E402
+from skyrl_core.local_ray import adopt_skyrl_environment, ensure_local_ray, skyrl_environment  # noqa: E402
 
 READY_TIMEOUT_S = 300
 
@@ -36,7 +36,8 @@ class RankHost:
     def __init__(self) -> None:
         self.rank: Any = None
 
-    def start(self, *args: Any, **kwargs: Any) -> int:
+    def start(self, environ: dict[str, str], *args: Any, **kwargs: Any) -> int:
+        adopt_skyrl_environment(environ)  # the driver's plugin switches now, not the Ray session's
         from skyrl_fsdp.rank import FSDPRank
 
         self.rank = FSDPRank(*args, **kwargs)
@@ -81,7 +82,7 @@ def start_ranks(model: Any, options: Any, trainer: Any, *, seed: int, use_gpu: b
     try:
         gather(
             [
-                host.start.remote(model, options, trainer, seed=seed, rank=rank, world_size=world_size, init_method=init_method)
+                host.start.remote(skyrl_environment(), model, options, trainer, seed=seed, rank=rank, world_size=world_size, init_method=init_method)
                 for rank, host in enumerate(hosts)
             ],
             timeout=READY_TIMEOUT_S,

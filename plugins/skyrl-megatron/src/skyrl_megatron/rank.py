@@ -31,27 +31,12 @@ from skyrl_megatron.model import build_gpt_model, left_align, load_parameters, t
 from skyrl_megatron.ops_sites import patch_megatron_model
 from skyrl_megatron.optimizers import MegatronAdam, ShardedAdamW, wrap_for_gpu_training
 from skyrl_megatron.options import MegatronOptions
+from skyrl_core.heap import keep_freed_memory
+from skyrl_core.local_ray import adopt_skyrl_environment
 from skyrl_core.lr_schedule import lr_factor
 
 CHECKPOINT_FORMAT = 1
 TRAINER_STATE_FILE = "megatron_trainer_state.pt"
-
-
-def skyrl_environment() -> dict[str, str]:
-    """This process's ``SKYRL_*`` environment variables (plugin switches such as ``SKYRL_ISOEXEC``)."""
-    return {k: v for k, v in os.environ.items() if k.startswith("SKYRL_")}
-
-
-def adopt_skyrl_environment(environ: dict[str, str]) -> None:
-    """Make this process's ``SKYRL_*`` variables exactly ``environ`` (the driver's).
-
-    A Ray worker inherits the environment of the Ray session, i.e. of the process that started Ray,
-    not of the driver's present state: a plugin switched on or off since (IsoExec for one verify
-    run, then off for the next) would otherwise decide differently in the ranks than in the driver.
-    """
-    for key in [k for k in os.environ if k.startswith("SKYRL_") and k not in environ]:
-        del os.environ[key]
-    os.environ.update(environ)
 
 
 def shard_file(rank: int) -> str:
@@ -162,6 +147,7 @@ class MegatronRank:
     ) -> None:
         if environ is not None:
             adopt_skyrl_environment(environ)
+        keep_freed_memory()  # per process: Ray ranks are fresh interpreters (skyrl_core.heap)
         if options.torch_threads is not None:
             torch.set_num_threads(options.torch_threads)
         self.options, self.trainer, self.model_config = options, trainer, model

@@ -12,9 +12,9 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import ray  # noqa: E402
 
-from skyrl_core.local_ray import ensure_local_ray  # noqa: E402
+from skyrl_core.local_ray import ensure_local_ray, skyrl_environment  # noqa: E402
 
-from skyrl_megatron.rank import MegatronRank, skyrl_environment  # noqa: E402
+from skyrl_megatron.rank import MegatronRank  # noqa: E402
 
 READY_TIMEOUT_S = 300
 

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 import attrs
 import torch
 
+from skyrl_core.heap import keep_freed_memory
 from skyrl_core.models import load_causal_lm, load_tokenizer
 from skyrl_core.ops import prepare_model, site_scope, token_logprobs
 from skyrl_core.types import GeneratedSample, GenerationRequest
@@ -71,6 +72,7 @@ class TorchEngine:
     def __init__(self, model: ModelConfig, options: TorchEngineOptions | None = None, *, seed: int = 0) -> None:
         self.options = options if options is not None else TorchEngineOptions()
         self.seed = seed
+        keep_freed_memory()  # per-step logits and activations reuse heap blocks (skyrl_core.heap)
         self.model = load_causal_lm(model, seed=seed, device=self.options.device)
         self.tokenizer = load_tokenizer(model)
         config = self.model.config.get_text_config()

@@ -26,6 +26,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from skyrl_core.ops.onednn import available as onednn_available
+from skyrl_core.ops.onednn import mm_nt, mm_nt_add
 from skyrl_torch.kv_cache import SlotKVCache
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -107,10 +109,6 @@ def _rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
 GEMMS = ("onednn", "torch")
 
 
-def onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-
-
 def _torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     return F.linear(x, weight, bias)
 
@@ -124,13 +122,9 @@ def _torch_residual_linear(residual: torch.Tensor, x: torch.Tensor, linear: torc
     return torch.addmm(base, x.reshape(-1, x.shape[-1]), linear.weight.t()).view(shape)
 
 
-def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-
-
 def _onednn_residual_linear(residual: torch.Tensor, x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
     """``residual + linear(x)`` with the addition fused into the oneDNN GEMM."""
-    return torch.ops.mkldnn._linear_pointwise.binary(x, residual, linear.weight, linear.bias, "add")
+    return mm_nt_add(x, linear.weight, linear.bias, residual)
 
 
 class NativeDecoder:
@@ -145,7 +139,7 @@ class NativeDecoder:
         if gemm == "onednn" and not onednn_available():
             raise ValueError("gemm='onednn' needs a PyTorch built with oneDNN (mkldnn)")
         self.gemm = gemm
-        self._linear = _onednn_linear if gemm == "onednn" else _torch_linear
+        self._linear = mm_nt if gemm == "onednn" else _torch_linear
         self._residual_linear = _onednn_residual_linear if gemm == "onednn" else _torch_residual_linear
         body = model.model
         self.embed = body.embed_tokens

@@ -1,0 +1,80 @@
+"""fp32 matrix products on oneDNN for CPU runtimes: the ``onednn.linear`` op implementation.
+
+``torch.nn.functional.linear`` on fp32 CPU tensors calls the BLAS PyTorch was built with (MKL in
+the PyPI wheels). On some CPUs MKL takes a slow path (measured on this project's AMD EPYC
+machine: oneDNN's fp32 GEMM runs 1.5-4x faster on the shapes of a 135M model's forward and
+backward; ``benchmarks/cpu_gemm.py``). oneDNN computes the same fp32 products in another
+summation order: results differ from MKL's in the last bits (both are within fp32 rounding of
+the exact product), so this is a stock-numerics choice, not a contract: IsoExec replaces it with
+its canonical linear when enabled.
+
+Other devices and dtypes (CUDA, bf16, which PyTorch already sends to oneDNN on CPU) take
+``torch.nn.functional.linear`` unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from skyrl_core.plugins.records import OpImplSpec
+
+ONEDNN_LINEAR = OpImplSpec(
+    name="onednn.linear",
+    op="linear",
+    factory="skyrl_core.ops.onednn:linear",
+    version="1",
+    description="fp32 CPU matrix products (forward and backward) on oneDNN; F.linear elsewhere",
+)
+
+
+@functools.cache
+def available() -> bool:
+    """Whether this PyTorch has oneDNN's linear kernel (the PyPI CPU and CUDA wheels do)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def mm_nt(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` on oneDNN, no autograd; ``x`` ``[..., K]``, ``weight`` ``[N, K]``."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def mm_nt_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, addend: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T (+ bias) + addend`` in one oneDNN call (a residual connection), no autograd."""
+    return torch.ops.mkldnn._linear_pointwise.binary(x, addend, weight, bias, "add")
+
+
+def _wants_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32 and available()
+
+
+class _OneDNNLinear(torch.autograd.Function):
+    """All three products of a linear layer on oneDNN: ``y = x W^T``, ``dx = dy W``, ``dW = dy^T x``."""
+
+    @staticmethod
+    def forward(ctx, x2, weight, bias):
+        ctx.save_for_backward(x2, weight)
+        ctx.has_bias = bias is not None
+        return mm_nt(x2, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x2, weight = ctx.saved_tensors
+        grad = grad.contiguous()
+        # Transposed views, not copies: oneDNN reads strided operands itself (same bits, measured
+        # faster than copying the lm_head weight per micro-batch).
+        grad_x = mm_nt(grad, weight.t()) if ctx.needs_input_grad[0] else None
+        grad_w = mm_nt(grad.t(), x2.t()) if ctx.needs_input_grad[1] else None
+        grad_b = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` with fp32 CPU products on oneDNN; differentiable in all arguments."""
+    if not _wants_onednn(x, weight):
+        return F.linear(x, weight, bias)
+    lead = x.shape[:-1]
+    out = _OneDNNLinear.apply(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias)
+    return out.reshape(*lead, weight.shape[0])

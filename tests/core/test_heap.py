@@ -1,0 +1,47 @@
+"""``skyrl_core.heap``: the allocator thresholds are set once per process, and can be turned off."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from skyrl_core import heap
+
+pytestmark = pytest.mark.skipif(heap._libc() is None, reason="not glibc: the heap tuning does nothing here")
+
+PROBE = (
+    "import ctypes, torch, time\n"
+    "from skyrl_core.heap import keep_freed_memory\n"
+    "applied = keep_freed_memory()\n"
+    "class Info(ctypes.Structure):\n"
+    "    _fields_ = [(n, ctypes.c_size_t) for n in ('arena','ordblks','smblks','hblks','hblkhd','usmblks','fsmblks','uordblks','fordblks','keepcost')]\n"
+    "mallinfo2 = ctypes.CDLL('libc.so.6').mallinfo2\n"
+    "mallinfo2.restype = Info\n"
+    "before = mallinfo2().hblks\n"
+    "x = torch.ones(4 << 20)\n"  # 16 MiB: above glibc's initial mmap threshold
+    "print(applied, mallinfo2().hblks - before)\n"
+)
+
+
+def _probe(env_value: str | None) -> tuple[bool, int]:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "SKYRL_HEAP_TUNING"}
+    if env_value is not None:
+        env["SKYRL_HEAP_TUNING"] = env_value
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, check=True).stdout.split()
+    return out[0] == "True", int(out[1])
+
+
+def test_large_tensors_come_from_the_heap_unless_turned_off():
+    applied, mmapped = _probe(None)
+    assert applied and mmapped == 0  # the 16 MiB tensor is a heap block, reusable after free
+    applied, mmapped = _probe("0")
+    assert not applied and mmapped == 1  # negative control: glibc's default mmaps it
+
+
+def test_release_gives_pages_back_and_is_safe_to_call_anywhere():
+    heap.release_freed_memory()
+    heap.release_freed_memory()
