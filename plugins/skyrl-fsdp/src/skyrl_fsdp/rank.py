@@ -8,7 +8,6 @@ times on each rank, so a rank with fewer rows runs "filler" passes whose gradien
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
 import random
@@ -29,6 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from skyrl_core.backends.rank_setup import accepts_keyword, batch_to_device, join_process_group, resolve_device
 from skyrl_core.config.schema import ModelConfig, TrainerConfig
 from skyrl_core.heap import keep_freed_memory
 from skyrl_core.interfaces import LossFn
@@ -48,31 +48,12 @@ _process_group_users = 0
 _process_group_owned = False
 
 
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError("backend option device='cuda' but no CUDA device is visible")
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _acquire_process_group(device: torch.device, rank: int, world_size: int, init_method: str | None) -> None:
     global _process_group_users, _process_group_owned
-    if not dist.is_initialized():
-        # Where CUDA exists, one group serves both devices: in-process backends of either kind share it.
-        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-        if init_method is None:  # one in-process rank: an in-memory store, no port to pick
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-        else:
-            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+    # Where CUDA exists, one group serves both devices: in-process backends of either kind share it.
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    if join_process_group(backend, rank, world_size, init_method, who="FSDP"):
         _process_group_owned = True
-    elif dist.get_world_size() != world_size or dist.get_rank() != rank:
-        raise RuntimeError(
-            f"a torch.distributed process group (rank {dist.get_rank()} of {dist.get_world_size()}) already "
-            f"exists in this process; the FSDP backend needs rank {rank} of {world_size}"
-        )
     _process_group_users += 1
 
 
@@ -82,24 +63,6 @@ def _release_process_group() -> None:
     if _process_group_users == 0 and _process_group_owned and dist.is_initialized():
         dist.destroy_process_group()
         _process_group_owned = False
-
-
-def _accepts_keyword(fn: Any, name: str) -> bool:
-    try:
-        return name in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def _on_device(batch: TrainingBatch, device: torch.device) -> TrainingBatch:
-    if device.type == "cpu":
-        return batch
-    moved = {
-        f.name: value.to(device)
-        for f in attrs.fields(TrainingBatch)
-        if isinstance(value := getattr(batch, f.name), torch.Tensor)
-    }
-    return attrs.evolve(batch, **moved)
 
 
 def trim_padding(batch: TrainingBatch) -> TrainingBatch:
@@ -185,7 +148,7 @@ class FSDPRank:
             defaults["linear"] = ONEDNN_LINEAR
         self.ledger = prepare_model(self.model, "trainer", compute_dtype=compute_dtype, defaults=defaults)
         self.aliases = tied_aliases(self.model)
-        self._logits_to_keep = _accepts_keyword(self.model.forward, "logits_to_keep")
+        self._logits_to_keep = accepts_keyword(self.model.forward, "logits_to_keep")
         self.model.to(self.device)
         self._shard()
 
@@ -226,7 +189,7 @@ class FSDPRank:
         if len(real) < num_micro and filler is None:
             raise AssertionError(f"rank {self.rank} needs filler passes but got no filler row")
         passes = [(mb, True) for mb in real] + [(filler, False)] * (num_micro - len(real))
-        return [(_on_device(trim_padding(mb), self.device), is_real) for mb, is_real in passes]
+        return [(batch_to_device(trim_padding(mb), self.device), is_real) for mb, is_real in passes]
 
     def _response_logprobs(self, batch: TrainingBatch, temperature: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logprobs ``[B, R]`` of the response tokens (0 on padding), and their entropy if asked."""
@@ -262,7 +225,7 @@ class FSDPRank:
         self, part: TrainingBatch, loss_fn: LossFn, num_micro: int, filler: TrainingBatch | None, temperature: float
     ) -> list[dict[str, float]]:
         """Per real micro-batch: ``{**metrics, "loss": loss}``. Gradients accumulate in the shards."""
-        wants_entropy = _accepts_keyword(loss_fn, "entropy")
+        wants_entropy = accepts_keyword(loss_fn, "entropy")
         results = []
         for micro, real in self._micro_batches(part, num_micro, filler):
             with site_scope("trainer_forward"):

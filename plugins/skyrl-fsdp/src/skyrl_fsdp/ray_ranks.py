@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gc
 import os
-import socket
 from typing import Any, Sequence
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -17,6 +16,8 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 import attrs  # noqa: E402
 import ray  # noqa: E402
 
+from skyrl_core.backends import ray_actors  # noqa: E402
+from skyrl_core.backends.ray_actors import free_port, kill  # noqa: E402
 from skyrl_core.local_ray import adopt_skyrl_environment, ensure_local_ray, skyrl_environment  # noqa: E402
 
 READY_TIMEOUT_S = 300
@@ -56,12 +57,6 @@ class RankHost:
 _RemoteRankHost = ray.remote(num_cpus=0)(RankHost)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _pool_key(use_gpu: bool) -> tuple[str, bool]:
     return ray.get_runtime_context().get_node_id(), use_gpu
 
@@ -78,7 +73,7 @@ def start_ranks(model: Any, options: Any, trainer: Any, *, seed: int, use_gpu: b
     # threads_per_rank, not Ray's bookkeeping, decides how many cores a rank uses.
     host_class = _RemoteRankHost.options(num_gpus=1 if use_gpu else 0)
     hosts = [idle.pop() if idle else host_class.remote() for _ in range(world_size)]
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    init_method = f"tcp://127.0.0.1:{free_port()}"
     try:
         gather(
             [
@@ -111,23 +106,5 @@ def call_ranks(hosts: Sequence[Any], method: str, per_rank_args: Sequence[tuple]
 
 
 def gather(refs: Sequence[Any], timeout: float | None = None) -> list[Any]:
-    """Results of ``refs`` in order. Fails as soon as any one fails: the other ranks may be blocked
-    in a collective waiting for it, so waiting for all of them could hang."""
-    pending = list(refs)
-    while pending:
-        done, pending = ray.wait(pending, num_returns=1, timeout=timeout)
-        if not done:
-            raise TimeoutError(
-                f"FSDP ranks did not answer within {timeout} s; Ray resources available: "
-                f"{ray.available_resources()} of {ray.cluster_resources()}"
-            )
-        ray.get(done[0])  # raises the rank's error
-    return ray.get(list(refs))
-
-
-def kill(hosts: Sequence[Any]) -> None:
-    for host in hosts:
-        try:
-            ray.kill(host)
-        except Exception:  # a host that already died is fine
-            pass
+    """Results of ``refs`` in order, failing as soon as any one fails (``skyrl_core.backends.ray_actors``)."""
+    return ray_actors.gather(refs, timeout, what="FSDP ranks")

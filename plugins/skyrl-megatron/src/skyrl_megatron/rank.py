@@ -9,7 +9,6 @@ default order). Every rank of a replica receives the same rows; each replica its
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 import os
 from typing import Any
@@ -18,6 +17,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from skyrl_core.backends.rank_setup import accepts_keyword, batch_to_device, join_process_group, resolve_device
 from skyrl_core.config.schema import ModelConfig, TrainerConfig
 from skyrl_core.interfaces import LossFn
 from skyrl_core.models import load_causal_lm
@@ -43,34 +43,6 @@ def shard_file(rank: int) -> str:
     return f"megatron_rank{rank:03d}.pt"
 
 
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError("backend option device='cuda' but no CUDA device is visible")
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _accepts_keyword(fn: Any, name: str) -> bool:
-    try:
-        return name in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def _on_device(batch: TrainingBatch, device: torch.device) -> TrainingBatch:
-    if device.type == "cpu":
-        return batch
-    moved = {
-        f.name: value.to(device)
-        for f in attrs.fields(TrainingBatch)
-        if isinstance(value := getattr(batch, f.name), torch.Tensor)
-    }
-    return attrs.evolve(batch, **moved)
-
-
 # megatron-core's parallel state (process groups, RNG tracker, memory buffer) is global to a
 # process. In-process ranks all have world size 1, so they share one, counted here.
 _parallel_users = 0
@@ -92,18 +64,9 @@ def _acquire_parallel_state(
             )
         _parallel_users += 1
         return
-    if not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        if init_method is None:  # one in-process rank: an in-memory store, no port to pick
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-        else:
-            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if join_process_group(backend, rank, world_size, init_method, who="Megatron"):
         _owns_process_group = True
-    elif dist.get_world_size() != world_size or dist.get_rank() != rank:
-        raise RuntimeError(
-            f"a torch.distributed process group (rank {dist.get_rank()} of {dist.get_world_size()}) already "
-            f"exists in this process; the Megatron backend needs rank {rank} of {world_size}"
-        )
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
     if device.type == "cpu":
         from skyrl_megatron import cpu_compat
@@ -324,7 +287,7 @@ class MegatronRank:
         outputs = []
         with torch.no_grad(), site_scope("trainer_score"):
             for micro in self._passes(part, num_passes):
-                micro = _on_device(micro, self.device)
+                micro = batch_to_device(micro, self.device)
                 logprobs, _ = self._response_logprobs(micro, temperature, "trainer_score", False, self._pass_rows(num_passes))
                 outputs.append(logprobs.float().cpu())
         return torch.cat(outputs) if outputs else torch.zeros(0, part.response_len)
@@ -333,10 +296,10 @@ class MegatronRank:
         self, part: TrainingBatch, loss_fn: LossFn, temperature: float, num_passes: int | None = None
     ) -> list[dict[str, float]]:
         """Per micro-batch of this replica's rows: ``{**metrics, "loss": loss}``; gradients accumulate."""
-        wants_entropy = _accepts_keyword(loss_fn, "entropy")
+        wants_entropy = accepts_keyword(loss_fn, "entropy")
         results = []
         for micro in self._passes(part, num_passes):
-            micro = _on_device(micro, self.device)
+            micro = batch_to_device(micro, self.device)
             with site_scope("trainer_forward"):
                 logprobs, entropy = self._response_logprobs(
                     micro, temperature, "trainer_forward", wants_entropy and len(micro) > 0, self._pass_rows(num_passes)

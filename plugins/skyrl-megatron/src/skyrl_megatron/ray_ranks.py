@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from typing import Any, Sequence
 
 import attrs
@@ -12,6 +11,8 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import ray  # noqa: E402
 
+from skyrl_core.backends import ray_actors  # noqa: E402
+from skyrl_core.backends.ray_actors import free_port, kill  # noqa: E402
 from skyrl_core.local_ray import ensure_local_ray, skyrl_environment  # noqa: E402
 
 from skyrl_megatron.rank import MegatronRank  # noqa: E402
@@ -24,19 +25,13 @@ def ensure_ray(num_cpus: int) -> None:
     ensure_local_ray(num_cpus)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def start_ranks(model: Any, options: Any, trainer: Any, *, seed: int, use_gpu: bool) -> list[Any]:
     """``options.processes`` actors that meet over TCP on loopback; returns once all are built."""
     world = options.processes
     ensure_ray(world)
     if options.torch_threads is None:  # share this machine's cores between the ranks
         options = attrs.evolve(options, torch_threads=max(1, (os.cpu_count() or 1) // world))
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    init_method = f"tcp://127.0.0.1:{free_port()}"
     # No CPU reservation: each rank's threads are set by torch_threads, and reserving cores would
     # keep a second backend (a reference model, a test's second run) from starting on a small machine.
     actor_class = ray.remote(num_cpus=0, num_gpus=1 if use_gpu else 0)(MegatronRank)
@@ -55,20 +50,5 @@ def start_ranks(model: Any, options: Any, trainer: Any, *, seed: int, use_gpu: b
 
 
 def gather(refs: Sequence[Any], timeout: float | None = None) -> list[Any]:
-    """Results in order; raises the first failure at once (the other ranks may be blocked in a
-    collective with the failed one, so waiting for all could hang)."""
-    pending = list(refs)
-    while pending:
-        done, pending = ray.wait(pending, num_returns=1, timeout=timeout)
-        if not done:
-            raise TimeoutError(f"Megatron ranks did not answer within {timeout} s (Ray resources: {ray.available_resources()})")
-        ray.get(done[0])
-    return ray.get(list(refs))
-
-
-def kill(actors: Sequence[Any]) -> None:
-    for actor in actors:
-        try:
-            ray.kill(actor)
-        except Exception:  # an actor that already died is fine
-            pass
+    """Results of ``refs`` in order, failing as soon as any one fails (``skyrl_core.backends.ray_actors``)."""
+    return ray_actors.gather(refs, timeout, what="Megatron ranks")
