@@ -344,3 +344,45 @@ class BackendContract:
             assert f"logprobs@{site}" in ledger
             assert ledger[f"logprobs@{site}"]["impl"]
         assert not any(key.endswith(("@engine_prefill", "@engine_decode")) for key in ledger)
+
+
+class CudaBackendContract(BackendContract):
+    """``BackendContract`` on one CUDA device. Subclass it and provide ``cuda_backend(model, trainer,
+    seed)`` (a classmethod building the backend on CUDA) instead of ``backend_factory``; mark the
+    test module ``gpu`` and skip it without CUDA.
+
+    CUDA kernels reduce in other orders than the CPU reference (and embedding backward uses
+    atomics): close, not bitwise. The factory turns TF32 off (matmuls and cuDNN) first.
+    """
+
+    logprob_atol = 1e-4
+    micro_batch_atol = 1e-5
+    exact_resume = False
+
+    @classmethod
+    def cuda_backend(cls, model: ModelConfig, trainer: TrainerConfig, seed: int) -> Any:
+        raise NotImplementedError("a CudaBackendContract subclass must provide cuda_backend")
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def backend_factory(cls) -> Callable[[ModelConfig, TrainerConfig, int], Any]:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        return cls.cuda_backend
+
+
+def check_bf16_trains_on_cuda(make: Callable[[ModelConfig, TrainerConfig], Any]) -> None:
+    """``make(model, trainer)`` builds a backend with bf16 mixed precision on CUDA; check that its
+    execution contract says so, that 4 steps (each with a positive gradient norm) lower the loss by
+    more than 0.05, and that exported weights are fp32 on the CPU."""
+    batch = make_batch(*random_sequences(PROMPT_LENGTHS, RESPONSE_LENGTHS, vocab_size=512))
+    with make(ModelConfig(config=dict(TINY_QWEN3)), TrainerConfig(lr=3e-3, micro_batch_size=2)) as backend:
+        contract = backend.execution_contract()
+        assert (contract["device"], contract["mixed_precision"]) == ("cuda", "bf16")
+        losses = []
+        for _ in range(4):
+            losses.append(backend.forward_backward(batch, mean_logprob_loss)["loss"])
+            stats = backend.optim_step()
+            assert stats["grad_norm"] > 0
+        assert losses[-1] < losses[0] - 0.05, losses
+        assert all(t.dtype == torch.float32 and t.device.type == "cpu" for _, t in backend.export_weights())
