@@ -14,15 +14,13 @@ from typing import Any
 
 import attrs
 
-from skyrl_core.tools import Tool, ToolBox, find_tag_calls
-from skyrl_core.types import Message, StepResult
-from skyrl_envs.base import EpisodeEnv, ground_truth, prompt_messages
+from skyrl_core.tools import Tool
 from skyrl_envs.code_env import extract_program
 from skyrl_envs.math_answers import as_number
-from skyrl_envs.qa import accepted_answers, exact_match
+from skyrl_envs.qa import exact_match
 from skyrl_envs.sandbox.limits import SandboxLimits
-from skyrl_envs.search_index import SHIPPED_CORPUS, shared_index
-from skyrl_envs.search_env import search_tool
+from skyrl_envs.search_env import SearchEnv, question_rows
+from skyrl_envs.search_index import SHIPPED_CORPUS
 
 INSTRUCTIONS = (
     "Answer the question. You have two tools: write <search>your query</search> to search a document "
@@ -71,45 +69,23 @@ def answers_agree(predicted: str, answers: list[str]) -> bool:
 
 def multi_tool_rows() -> list[dict[str, Any]]:
     """The shipped search-then-compute questions as ``multi_tool`` dataset rows."""
-    return [
-        {
-            "prompt": [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": question}],
-            "env_class": "multi_tool",
-            "reward_spec": {"ground_truth": {"target": answers}},
-            "extra_info": {"index": index},
-        }
-        for index, (question, answers) in enumerate(MULTI_TOOL_QUESTIONS)
-    ]
+    return question_rows(MULTI_TOOL_QUESTIONS, INSTRUCTIONS, "multi_tool")
 
 
-class MultiToolEnv(EpisodeEnv):
+class MultiToolEnv(SearchEnv):
+    """``search`` with a ``<python>`` tool, and answers that also agree as numbers."""
+
     options_class = MultiToolOptions
     name = "multi_tool"
+    no_tool_call = ("No tool call or answer found. Use <search>...</search>, <python>...</python> "
+                    "or <answer>...</answer>.")
 
-    def __init__(self, **options: Any):
-        super().__init__(**options)
-        self.index = shared_index(self.options.corpus_path, self.options.index_dir or None)
-        self._tools = ToolBox([
-            search_tool(self.index, self.options.top_k, self.options.max_passage_chars),
-            Tool(name="python", description="run a Python program and see what it prints", run=self._run_python),
-        ])
+    def tools(self) -> list[Tool]:
+        return [*super().tools(),
+                Tool(name="python", description="run a Python program and see what it prints", run=self._run_python)]
 
-    def start(self, sample: dict[str, Any]) -> list[Message]:
-        self._answers = accepted_answers(ground_truth(sample, self.name))
-        return prompt_messages(sample, self.name)
-
-    def judge(self, action_text: str) -> StepResult:
-        answers = find_tag_calls(action_text, ["answer"])
-        if answers:
-            predicted = answers[-1].argument
-            return self.finish(1.0 if answers_agree(predicted, self._answers) else 0.0, answer=predicted)
-        if self.turn >= self.options.max_turns:
-            return self.finish(0.0, reason="max_turns")
-        call = self._tools.first_call(action_text)
-        if call is None:
-            return self.observe("No tool call or answer found. Use <search>...</search>, <python>...</python> "
-                                "or <answer>...</answer>.", reason="no_tool_call")
-        return self.observe(self._tools.execute(call), reason=call.name)
+    def is_correct(self, predicted: str) -> bool:
+        return answers_agree(predicted, self._answers)
 
     def _run_python(self, code: str) -> str:
         from skyrl_envs.sandbox.runner import run_python

@@ -68,27 +68,45 @@ def search_tool(index: SearchIndex, top_k: int, limit_chars: int) -> Tool:
                 run=lambda query: format_passages(index.search(query, top_k), limit_chars))
 
 
-def search_rows() -> list[dict[str, Any]]:
-    """The shipped questions over the shipped corpus as ``search`` dataset rows."""
+def question_rows(questions: list[tuple[str, list[str]]], instructions: str, env_class: str) -> list[dict[str, Any]]:
+    """``(question, accepted answers)`` pairs as ``env_class`` dataset rows: ``instructions`` as the
+    system message, the question as the user's, the answers as ``{"target": [...]}``."""
     return [
         {
-            "prompt": [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": question}],
-            "env_class": "search",
+            "prompt": [{"role": "system", "content": instructions}, {"role": "user", "content": question}],
+            "env_class": env_class,
             "reward_spec": {"ground_truth": {"target": answers}},
             "extra_info": {"index": index},
         }
-        for index, (question, answers) in enumerate(SEARCH_QUESTIONS)
+        for index, (question, answers) in enumerate(questions)
     ]
 
 
+def search_rows() -> list[dict[str, Any]]:
+    """The shipped questions over the shipped corpus as ``search`` dataset rows."""
+    return question_rows(SEARCH_QUESTIONS, INSTRUCTIONS, "search")
+
+
 class SearchEnv(EpisodeEnv):
+    """The ``search`` environment; ``multi_tool`` extends it with more tools and another answer check."""
+
     options_class = SearchOptions
     name = "search"
+    no_tool_call = ("No <search> or <answer> found. Write <search>query</search> to search, "
+                    "or <answer>...</answer> to answer.")
 
     def __init__(self, **options: Any):
         super().__init__(**options)
         self.index = shared_index(self.options.corpus_path, self.options.index_dir or None)
-        self._tools = ToolBox([search_tool(self.index, self.options.top_k, self.options.max_passage_chars)])
+        self._tools = ToolBox(self.tools())
+
+    def tools(self) -> list[Tool]:
+        """The tools the model may call (built once per environment)."""
+        return [search_tool(self.index, self.options.top_k, self.options.max_passage_chars)]
+
+    def is_correct(self, predicted: str) -> bool:
+        """Whether ``<answer>predicted</answer>`` earns reward 1.0."""
+        return exact_match(predicted, self._answers)
 
     def start(self, sample: dict[str, Any]) -> list[Message]:
         self._answers = accepted_answers(ground_truth(sample, self.name))
@@ -98,11 +116,10 @@ class SearchEnv(EpisodeEnv):
         answers = find_tag_calls(action_text, ["answer"])
         if answers:
             predicted = answers[-1].argument
-            return self.finish(1.0 if exact_match(predicted, self._answers) else 0.0, answer=predicted)
+            return self.finish(1.0 if self.is_correct(predicted) else 0.0, answer=predicted)
         if self.turn >= self.options.max_turns:
             return self.finish(0.0, reason="max_turns")
         call = self._tools.first_call(action_text)
         if call is None:
-            return self.observe("No <search> or <answer> found. Write <search>query</search> to search, "
-                                "or <answer>...</answer> to answer.", reason="no_tool_call")
-        return self.observe(self._tools.execute(call), reason="search")
+            return self.observe(self.no_tool_call, reason="no_tool_call")
+        return self.observe(self._tools.execute(call), reason=call.name)
