@@ -46,8 +46,9 @@ test: venv
 test-fast: venv
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
+# benchmarks/_*.py are helper modules the benchmarks import, not benchmarks.
 bench: venv
-	@for b in benchmarks/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+	@for b in benchmarks/*.py; do case $$(basename $$b) in _*) continue;; esac; echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
 gpu-check:
 	bash scripts/gpu_check.sh

@@ -16,30 +16,17 @@ ratio of the median tokens/s (skyrl-torch / vLLM).
 
 from __future__ import annotations
 
-import argparse
-import os
-import random
-import statistics
-import time
+from _common import arithmetic_prompts, bind_vllm_threads, rollout_parser, time_alternately
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    args = parser.parse_args()
-
-    # Set before vLLM's processes start: they read both when they bind their threads.
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{args.threads - 1}")
-    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    args = rollout_parser(__doc__.split("\n")[0]).parse_args()
+    bind_vllm_threads(args.threads)
 
     import torch
 
     from skyrl_core.config.schema import ModelConfig
     from skyrl_core.models import load_tokenizer, prepare_smollm2
-    from skyrl_core.types import GenerationRequest, SamplingParams
     from skyrl_torch.engine import TorchEngine
     from skyrl_torch.options import TorchEngineOptions
     from skyrl_vllm.engine import VLLMEngine
@@ -47,25 +34,8 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     model_config = ModelConfig(path=prepare_smollm2())
-    tokenizer = load_tokenizer(model_config)
-    rng = random.Random(0)
-    texts = [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": f"What is {rng.randint(0, 49)} + {rng.randint(0, 49)}?"}],
-            add_generation_prompt=True,
-            tokenize=False,
-        )
-        for _ in range(args.batch)
-    ]
-    prompts = [tuple(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+    prompts = arithmetic_prompts(load_tokenizer(model_config), args.batch)
     longest = max(len(p) for p in prompts) + args.max_new_tokens
-
-    def requests(seed: int, max_new: int) -> list[GenerationRequest]:
-        sampling = dict(max_tokens=max_new, temperature=1.0)
-        return [
-            GenerationRequest(request_id=str(i), prompt_token_ids=p, sampling=SamplingParams(seed=seed * 1000 + i, **sampling))
-            for i, p in enumerate(prompts)
-        ]
 
     engines = {
         "skyrl-torch": TorchEngine(model_config, TorchEngineOptions(max_num_seqs=args.batch), seed=0),
@@ -77,22 +47,13 @@ def main() -> None:
         ),
     }
     try:
-        for engine in engines.values():  # warm-up
-            engine.generate(requests(seed=999, max_new=4))
-        rates: dict[str, list[float]] = {name: [] for name in engines}
-        for rep in range(args.repeats):
-            for name, engine in engines.items():
-                start = time.perf_counter()
-                out = engine.generate(requests(seed=rep, max_new=args.max_new_tokens))
-                elapsed = time.perf_counter() - start
-                tokens = sum(len(s.token_ids) for group in out for s in group)
-                rates[name].append(tokens / elapsed)
-                print(f"repeat {rep}: {name:12s} {tokens:5d} tokens in {elapsed:7.2f} s = {tokens / elapsed:8.1f} tok/s")
+        medians = time_alternately(
+            engines, prompts, repeats=args.repeats, max_new_tokens=args.max_new_tokens, name_width=12
+        )
     finally:
         for engine in engines.values():
             engine.close()
 
-    medians = {name: statistics.median(r) for name, r in rates.items()}
     print(
         f"SmolLM2-135M fp32, batch {args.batch}, {args.max_new_tokens} new tokens, {args.threads} threads, "
         f"median of {args.repeats}:"
