@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
-import shutil
-import tempfile
-import weakref
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from skyrl_sglang import bootstrap
 from skyrl_sglang.mapping import flatten, gather
 from skyrl_sglang.options import SGLangOptions
+from skyrl_vllm.lifecycle import environ, running, temporary_workdir
 
 if TYPE_CHECKING:
     import torch
@@ -43,20 +39,6 @@ def check_available() -> None:
         raise EngineUnavailableError(SGLANG_MISSING)
 
 
-@contextlib.contextmanager
-def _environ(**values: str) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 class SGLangEngine:
     """Generates with ``sglang.Engine``; weights update in place with ``update_weights_from_tensor``.
 
@@ -75,9 +57,7 @@ class SGLangEngine:
         self.dtype = self.options.dtype or model.dtype
         self._engine: Any = None
         self._asleep = False
-        self._workdir = tempfile.mkdtemp(prefix="skyrl-sglang-")
-        # Removed by close(), or at interpreter exit if the engine is never closed.
-        self._remove_workdir = weakref.finalize(self, shutil.rmtree, self._workdir, True)
+        self._workdir, self._remove_workdir = temporary_workdir(self, "skyrl-sglang-")
         try:
             self._start(model)
         except BaseException:
@@ -114,7 +94,7 @@ class SGLangEngine:
             "SGLANG_RETURN_ORIGINAL_LOGPROB": "1",
             "RETURN_ORIGINAL_LOGPROB": "True",
         }
-        with _environ(**env):
+        with environ(**env):
             bootstrap.register()  # this process too: SGLang loads plugins once per process
             self._engine = sglang.Engine(**kwargs)
         # SGLang's RPC returns no values, so the ledger is declared here, where the same plugins and
@@ -139,13 +119,10 @@ class SGLangEngine:
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load the trainer's weights (HF names) in place and flush SGLang's prefix (radix) cache."""
-        from skyrl_vllm.model_dir import check_weights
+        from skyrl_vllm.model_dir import checked_weights
 
         engine = self._running()
-        tensors = [(name, t.detach()) for name, t in named_tensors]
-        if not tensors:
-            raise ValueError("update_weights got no tensors")
-        check_weights(tensors, self._weight_shapes)  # a bad name inside SGLang's scheduler is fatal
+        tensors = checked_weights(named_tensors, self._weight_shapes)  # a bad name inside SGLang's scheduler is fatal
         result = engine.update_weights_from_tensor(named_tensors=tensors, flush_cache=True)
         success, message = (result if isinstance(result, tuple) else (True, ""))[:2]
         if not success:
@@ -188,8 +165,4 @@ class SGLangEngine:
         self.close()
 
     def _running(self) -> Any:
-        if self._engine is None:
-            raise RuntimeError("this sglang engine is closed")
-        if self._asleep:
-            raise RuntimeError("this sglang engine is asleep; call wake() first")
-        return self._engine
+        return running(self._engine, asleep=self._asleep, engine="sglang")

@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import logging
 import multiprocessing
 import os
-import shutil
-import tempfile
-import weakref
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from skyrl_vllm import bootstrap
+from skyrl_vllm.lifecycle import environ, running, temporary_workdir
 from skyrl_vllm.mapping import check_request, to_samples, to_vllm_sampling_params
-from skyrl_vllm.model_dir import check_weights, checkpoint_shapes, materialize_model, write_weights_file
+from skyrl_vllm.model_dir import checked_weights, checkpoint_shapes, materialize_model, write_weights_file
 from skyrl_vllm.options import VLLMOptions
 
 if TYPE_CHECKING:
@@ -26,21 +23,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "skyrl_vllm.worker_ext.SkyrlWorkerExtension"
-
-
-@contextlib.contextmanager
-def _environ(**values: str) -> Iterator[None]:
-    """Set environment variables for the body (spawned vLLM processes inherit them), then restore."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _process_state() -> tuple[Any, ...]:
@@ -104,9 +86,7 @@ class VLLMEngine:
         problem = bootstrap.vllm_plugins_allowlist_problem()
         if problem is not None:
             raise ValueError(f"cannot start the vllm engine: {problem}")
-        self._workdir = tempfile.mkdtemp(prefix="skyrl-vllm-")
-        # Removed by close(), or at interpreter exit if the engine is never closed.
-        self._remove_workdir = weakref.finalize(self, shutil.rmtree, self._workdir, True)
+        self._workdir, self._remove_workdir = temporary_workdir(self, "skyrl-vllm-")
         try:
             self._start(model)
         except BaseException:
@@ -131,7 +111,7 @@ class VLLMEngine:
             bootstrap.MARKER: "1",
             "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if self.options.multiprocess else "0",
         }
-        with _environ(**env):
+        with environ(**env):
             # vLLM caches its environment after an engine starts in this process; read it afresh.
             vllm_envs.disable_envs_cache()
             if not self.options.multiprocess:
@@ -162,11 +142,8 @@ class VLLMEngine:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load the trainer's weights (HF names, a full set) in place; then drop cached prefixes."""
         llm = self._running()
-        tensors = [(name, t.detach()) for name, t in named_tensors]
-        if not tensors:
-            raise ValueError("update_weights got no tensors")
         # Checked here: a bad tensor inside vLLM's layerwise reload would leave the model half-loaded.
-        check_weights(tensors, self._weight_shapes)
+        tensors = checked_weights(named_tensors, self._weight_shapes)
         if self.options.multiprocess:
             # Tensors passed through collective_rpc arrive garbled in vLLM's worker process: send a file.
             path = write_weights_file([(n, t.to("cpu").contiguous()) for n, t in tensors], self._workdir)
@@ -239,11 +216,7 @@ class VLLMEngine:
     # -- helpers ------------------------------------------------------------------------------------
 
     def _running(self) -> Any:
-        if self._llm is None:
-            raise RuntimeError("this vllm engine is closed")
-        if self._asleep:
-            raise RuntimeError("this vllm engine is asleep; call wake() first")
-        return self._llm
+        return running(self._llm, asleep=self._asleep, engine="vllm")
 
     def _attest(self) -> list[dict[str, Any]]:
         if self._llm is None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Iterable
 
 if TYPE_CHECKING:
     from skyrl_core.config.schema import ModelConfig
@@ -130,6 +130,18 @@ def check_weights(named: list[tuple[str, object]], shapes: dict[str, tuple[int, 
         got = tuple(tensor.shape)  # type: ignore[attr-defined]
         if got != expected:
             raise ValueError(f"update_weights: tensor {name!r} has shape {got}, the model's has shape {expected}")
+
+
+def checked_weights(
+    named_tensors: Iterable[tuple[str, Any]], shapes: dict[str, tuple[int, ...]], *, to_cpu: bool = False
+) -> list[tuple[str, Any]]:
+    """``update_weights``' tensors, detached (contiguous on the CPU with ``to_cpu``), refused when there
+    are none or when ``check_weights`` refuses them (before any reaches the engine)."""
+    named = [(name, t.detach().to("cpu").contiguous() if to_cpu else t.detach()) for name, t in named_tensors]
+    if not named:
+        raise ValueError("update_weights got no tensors")
+    check_weights(named, shapes)
+    return named
 
 
 def write_weights_file(named: list[tuple[str, object]], directory: str) -> str:

@@ -179,12 +179,9 @@ class OpenAIEngine:
                 f"the openai engine cannot update weights of the server at {self.root_url}: only a server it "
                 "launched itself (options.launch: true) accepts weights"
             )
-        from skyrl_vllm.model_dir import check_weights, write_weights_file
+        from skyrl_vllm.model_dir import checked_weights, write_weights_file
 
-        named = [(name, t.detach().to("cpu").contiguous()) for name, t in named_tensors]
-        if not named:
-            raise ValueError("update_weights got no tensors")
-        check_weights(named, self._weight_shapes)
+        named = checked_weights(named_tensors, self._weight_shapes, to_cpu=True)
         path = write_weights_file(named, self._workdir)
         try:
             loaded = self._rpc("skyrl_load_weights", path)
