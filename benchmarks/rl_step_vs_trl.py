@@ -10,9 +10,12 @@ advantages); TRL runs ``GRPOTrainer`` (HF ``generate``, ``num_iterations=1``, ``
 ``--steps`` steps alternate ``--rounds`` times (TRL, skyrl, TRL, skyrl, ...) so that a busy machine
 slows both alike; the first step of every block (warm-up) is not counted. A step's time is the
 wall time from sampling to the updated weights (for skyrl, including the weight sync to its engine).
+Every block runs in a fresh child process, as each framework's users run it: skyrl's process
+tunes its allocator and takes oneDNN for fp32 GEMMs (its defaults); TRL's runs stock PyTorch.
 
 Before that, rollout throughput at batch 64 (64 different prompts, 32 new tokens): the skyrl-torch
-engine vs HF ``generate``, alternating ``--gen-repeats`` times.
+engine vs HF ``generate``, each in its own process, ``--gen-repeats`` runs after a warm-up,
+alternating ``--rounds`` times.
 
 The last line prints both median step times and the ratio skyrl / TRL.
 
@@ -24,9 +27,12 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
+import json
 import os
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from typing import Any
@@ -47,8 +53,9 @@ def problems(count: int, seed: int) -> list[dict[str, Any]]:
 # --- rollout throughput -------------------------------------------------------------------------
 
 
-def generation_throughput(model_dir: str, repeats: int) -> tuple[float, float]:
-    """Median generated tokens/s at batch 64: (skyrl-torch engine, HF generate)."""
+def generation_rates(side: str, model_dir: str, repeats: int) -> list[float]:
+    """Generated tokens/s at batch 64 of ``side`` ("skyrl": the skyrl-torch engine; "hf": HF
+    ``generate``), ``repeats`` times after one warm-up."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -56,42 +63,44 @@ def generation_throughput(model_dir: str, repeats: int) -> tuple[float, float]:
     from skyrl_core.models import load_tokenizer
     from skyrl_core.rollout import ChatCodec
     from skyrl_core.types import GenerationRequest, SamplingParams
-    from skyrl_torch.engine import TorchEngine
 
     model_config = ModelConfig(path=model_dir)
     codec = ChatCodec(load_tokenizer(model_config))
     prompts = [codec.render_prompt(row["prompt"]) for row in problems(64, seed=1)]
     eos = codec.eos_token_id
-    engine = TorchEngine(model_config, None, seed=0)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    width = max(map(len, prompts))
-    input_ids = torch.tensor([[codec.pad_token_id] * (width - len(p)) + p for p in prompts])
-    attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
 
-    def run_engine(seed: int) -> int:
-        params = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=1.0, seed=seed, stop_token_ids=(eos,))
-        out = engine.generate([GenerationRequest(request_id=str(i), prompt_token_ids=p, sampling=params) for i, p in enumerate(prompts)])
-        return sum(len(s[0].token_ids) for s in out)
+    if side == "skyrl":
+        from skyrl_torch.engine import TorchEngine
 
-    def run_hf(seed: int) -> int:
-        torch.manual_seed(seed)
-        with torch.no_grad():
-            out = hf.generate(input_ids=input_ids, attention_mask=attention, do_sample=True, temperature=1.0, top_k=0,
-                              top_p=1.0, max_new_tokens=MAX_NEW_TOKENS, eos_token_id=eos, pad_token_id=codec.pad_token_id)
-        new = out[:, width:].tolist()
-        return sum(row.index(eos) + 1 if eos in row else len(row) for row in new)
+        engine = TorchEngine(model_config, None, seed=0)
 
-    rates: dict[str, list[float]] = {"skyrl": [], "hf": []}
-    for repeat in range(repeats + 1):  # the first round warms up
-        for name, fn in (("skyrl", run_engine), ("hf", run_hf)):
-            started = time.perf_counter()
-            tokens = fn(repeat)
-            if repeat:
-                rates[name].append(tokens / (time.perf_counter() - started))
-    engine.close()
-    del hf
-    gc.collect()
-    return statistics.median(rates["skyrl"]), statistics.median(rates["hf"])
+        def run(seed: int) -> int:
+            params = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=1.0, seed=seed, stop_token_ids=(eos,))
+            out = engine.generate([GenerationRequest(request_id=str(i), prompt_token_ids=p, sampling=params)
+                                   for i, p in enumerate(prompts)])
+            return sum(len(s[0].token_ids) for s in out)
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        width = max(map(len, prompts))
+        input_ids = torch.tensor([[codec.pad_token_id] * (width - len(p)) + p for p in prompts])
+        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+
+        def run(seed: int) -> int:
+            torch.manual_seed(seed)
+            with torch.no_grad():
+                out = hf.generate(input_ids=input_ids, attention_mask=attention, do_sample=True, temperature=1.0,
+                                  top_k=0, top_p=1.0, max_new_tokens=MAX_NEW_TOKENS, eos_token_id=eos,
+                                  pad_token_id=codec.pad_token_id)
+            new = out[:, width:].tolist()
+            return sum(row.index(eos) + 1 if eos in row else len(row) for row in new)
+
+    rates = []
+    for repeat in range(repeats + 1):  # the first run warms up
+        started = time.perf_counter()
+        tokens = run(repeat)
+        if repeat:
+            rates.append(tokens / (time.perf_counter() - started))
+    return rates
 
 
 # --- one block of RL steps per framework ------------------------------------------------------
@@ -171,44 +180,81 @@ def trl_problem() -> str | None:
     return None
 
 
+def worker(kind: str, args: argparse.Namespace) -> Any:
+    """One measurement in this (fresh) process; returns what ``main`` prints."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    if kind in ("gen-skyrl", "gen-hf"):
+        return generation_rates(kind.removeprefix("gen-"), args.model_dir, args.gen_repeats)
+    if kind == "trl":
+        from skyrl_core.data import load_dataset
+
+        rows = load_dataset(args.data, default_env_class="arithmetic")
+        return trl_block(args.model_dir, rows, args.steps, args.out, seed=args.seed)
+    return skyrl_block(args.model_dir, args.data, args.steps, args.out, seed=args.seed)
+
+
+def run_worker(kind: str, args: argparse.Namespace, **extra: Any) -> Any:
+    """``worker(kind)`` in a child process: each framework runs as its users run it, in a process of
+    its own (skyrl tunes its process's allocator, TRL does not; nothing leaks between them)."""
+    command = [sys.executable, __file__, "--worker", kind, "--threads", str(args.threads), "--steps", str(args.steps),
+               "--gen-repeats", str(args.gen_repeats), "--model-dir", args.model_dir]
+    for key, value in extra.items():
+        command += [f"--{key.replace('_', '-')}", str(value)]
+    done = subprocess.run(command, stdout=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"benchmark worker {kind} failed (exit {done.returncode}); its output:\n{done.stdout[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=2, help="TRL/skyrl block pairs")
     parser.add_argument("--steps", type=int, default=3, help="steps per block (the first is warm-up)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--gen-repeats", type=int, default=2)
+    parser.add_argument("--worker", choices=("gen-skyrl", "gen-hf", "trl", "skyrl"), help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--data", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.steps < 2:
         parser.error("--steps must be >= 2 (the first step of each block is warm-up)")
-
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import torch
+    if args.worker:
+        print(json.dumps(worker(args.worker, args)), flush=True)
+        return
 
     from skyrl_core.data import write_jsonl
     from skyrl_core.models import prepare_smollm2
 
-    torch.set_num_threads(args.threads)
-    model_dir = prepare_smollm2()
+    args.model_dir = str(prepare_smollm2())
     work = tempfile.mkdtemp(prefix="skyrl-bench-trl-")
     rows = problems(PROMPTS_PER_STEP * args.steps * args.rounds * 2, seed=0)
     data_path = str(write_jsonl(rows, os.path.join(work, "train.jsonl")))
     print(f"SmolLM2-135M-Instruct fp32, {PROMPTS_PER_STEP} prompts x {SAMPLES_PER_PROMPT} samples, "
-          f"{MAX_NEW_TOKENS} new tokens, {torch.get_num_threads()} threads", flush=True)
+          f"{MAX_NEW_TOKENS} new tokens, {args.threads} threads; each block in a fresh process", flush=True)
 
-    engine_rate, hf_rate = generation_throughput(model_dir, args.gen_repeats)
+    rates: dict[str, list[float]] = {"skyrl": [], "hf": []}
+    for _ in range(args.rounds):
+        for side in ("skyrl", "hf"):
+            rates[side] += run_worker(f"gen-{side}", args)
+    engine_rate, hf_rate = statistics.median(rates["skyrl"]), statistics.median(rates["hf"])
     print(f"rollout tokens/s at batch 64: skyrl-torch {engine_rate:.0f}, HF generate {hf_rate:.0f}, "
-          f"ratio {engine_rate / hf_rate:.1f}x", flush=True)
+          f"ratio {engine_rate / hf_rate:.1f}x (target >= 15x)", flush=True)
 
     problem = trl_problem()
     skyrl_times: list[float] = []
     trl_times: list[float] = []
     for round_index in range(args.rounds):
         if problem is None:
-            times = trl_block(model_dir, rows, args.steps, os.path.join(work, f"trl{round_index}"), seed=round_index)
+            times = run_worker("trl", args, data=data_path, out=os.path.join(work, f"trl{round_index}"), seed=round_index)
             trl_times += times[1:]
             print(f"round {round_index}: TRL step times {[round(t, 1) for t in times]} s", flush=True)
-        times = skyrl_block(model_dir, data_path, args.steps, os.path.join(work, f"skyrl{round_index}"), seed=round_index)
+        times = run_worker("skyrl", args, data=data_path, out=os.path.join(work, f"skyrl{round_index}"), seed=round_index)
         skyrl_times += times[1:]
         print(f"round {round_index}: skyrl step times {[round(t, 1) for t in times]} s", flush=True)
 
