@@ -54,13 +54,13 @@ def test_linear_negative_control_and_the_multiple_of_8_property(dtype):
     w = torch.randn(256, 512, generator=_gen(1)).to(dtype)
     if dtype == torch.float32:
         assert _row_mismatch(lambda t: F.linear(t, w), x[:60]) > 0  # stock rows depend on the batch
-    # What the kernel relies on: a GEMM over any multiple of 8 rows gives each row the bits of an
-    # 8-row GEMM, with 1 or 2 threads.
+    # What the kernel relies on: its GEMM (oneDNN for fp32, torch.mm for bf16) over any multiple of
+    # 8 rows gives each row the bits of an 8-row GEMM, with 1 or 2 threads.
     for threads in (1, 2):
         torch.set_num_threads(threads)
         for rows, offset in ((8, 0), (16, 8), (40, 200), (256, 16), (1024, 0)):
-            whole = torch.mm(x[offset : offset + rows], w.t())
-            blocks = torch.cat([torch.mm(x[offset + i : offset + i + 8], w.t()) for i in range(0, rows, 8)])
+            whole = linear._gemm(x[offset : offset + rows], w)
+            blocks = torch.cat([linear._gemm(x[offset + i : offset + i + 8], w) for i in range(0, rows, 8)])
             assert int((bits(whole) != bits(blocks)).sum()) == 0, (threads, rows)
 
 

@@ -5,8 +5,10 @@ declared in that kernel's ``OpImplSpec`` (so it enters the contract hash). Chang
 contract: bump the op's version in ``specs.py`` too.
 """
 
-# GEMM rows are zero-padded to a multiple of this, then computed in one torch.mm (kernels/linear.py).
+# GEMM rows are zero-padded to a multiple of this, then computed in one GEMM (kernels/linear.py).
 LINEAR_ROW_ALIGN = 8
+# Which GEMM: CPU fp32 on oneDNN (torch.ops.mkldnn._linear_pointwise), CPU bf16 and CUDA on torch.mm.
+LINEAR_KERNEL = "cpu fp32: oneDNN; cpu bf16: torch.mm (oneDNN); cuda: torch.mm"
 LINEAR_MIN_COLUMNS = 8  # narrower weights are zero-padded to this many output columns
 LINEAR_DTYPES = ("float32", "bfloat16")
 

@@ -18,11 +18,11 @@ CANONICAL: dict[str, OpImplSpec] = {
             constants={"kind": "gather"}, description="row gather (exact)",
         ),
         OpImplSpec(
-            name="isoexec.linear", op="linear", version="2", factory=f"{_K}.linear:linear",
+            name="isoexec.linear", op="linear", version="3", factory=f"{_K}.linear:linear",
             constants={
                 "row_align": C.LINEAR_ROW_ALIGN,
                 "min_columns": C.LINEAR_MIN_COLUMNS,
-                "kernel": "torch.mm (MKL sgemm / oneDNN bf16)",
+                "kernel": C.LINEAR_KERNEL,
             },
             description="GEMM over rows zero-padded to a multiple of 8: each row independent of the others",
         ),

@@ -1,20 +1,25 @@
 """Row-invariant GEMM: rows are zero-padded to a multiple of ``LINEAR_ROW_ALIGN`` (8) and computed
-in one ``torch.mm``.
+in one GEMM: on CPU in fp32 oneDNN's (``skyrl_core.ops.onednn.mm_nt``), otherwise ``torch.mm``
+(oneDNN for CPU bf16, cuBLAS on CUDA).
 
-Measured on MKL (fp32) and oneDNN (bf16) (DESIGN.md section 6, and ``test_kernels.py``): a row of
-``F.linear`` depends on how many rows are computed with it (M = 1..3 take other kernels; with 2
-threads the tail rows of M = 5, 6, 7, 9 do), but when M is a multiple of 8 every row gets the bits
-it gets in an 8-row GEMM, at any position, for any such M, with 1 or 2 threads, provided the weight
-has at least ``LINEAR_MIN_COLUMNS`` rows (a single output column takes a GEMV-like path; narrower
-weights are zero-padded). So padding to a multiple of 8 makes a token's projection independent of
-the batch, at the cost of at most 7 padding rows. Gradients are the ordinary ones (``grad @ W``,
-``grad.T @ x``): only the forward must be canonical.
+Measured on this project's CPU (AVX-512, ``test_kernels.py`` keeps checking it): a row of
+``F.linear`` (MKL, fp32) depends on how many rows are computed with it (M = 1..3 take other
+kernels; with 2 threads the tail rows of M = 5, 6, 7, 9 do), but when M is a multiple of 8 every
+row gets the bits it gets in an 8-row GEMM, at any position, for any such M, with 1 or 2 threads,
+provided the weight has at least ``LINEAR_MIN_COLUMNS`` rows (a single output column takes a
+GEMV-like path; narrower weights are zero-padded). oneDNN's fp32 GEMM has the same property and
+runs 1.8-2.2x faster than MKL here (``benchmarks/cpu_gemm.py``), so it is the fp32 kernel (version 3
+of the spec; version 2 was MKL). Padding to a multiple of 8 makes a token's projection independent
+of the batch, at the cost of at most 7 padding rows. Gradients are the ordinary ones
+(``grad @ W``, ``grad.T @ x``, on oneDNN in fp32 too): only the forward must be canonical.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from skyrl_core.ops import onednn
 
 from skyrl_isoexec.constants import LINEAR_DTYPES, LINEAR_MIN_COLUMNS, LINEAR_ROW_ALIGN
 
@@ -31,10 +36,23 @@ def row_aligned_matmul(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     padded_rows = max(LINEAR_ROW_ALIGN, -(-rows // LINEAR_ROW_ALIGN) * LINEAR_ROW_ALIGN)
     if padded_rows != rows:
         x2 = F.pad(x2, (0, 0, 0, padded_rows - rows))
-    out = torch.mm(x2, weight.t())
+    out = _gemm(x2, weight)
     if padded_rows != rows or columns != out.shape[1]:
         out = out[:rows, :columns]
     return out
+
+
+def _cpu_fp32(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype == torch.float32
+
+
+def _gemm(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x2 @ weight.T``: oneDNN for CPU fp32, else ``torch.mm`` (see the module docstring)."""
+    if _cpu_fp32(x2):
+        if not onednn.available():
+            raise RuntimeError("canonical linear (fp32, CPU) needs a PyTorch built with oneDNN (torch.ops.mkldnn)")
+        return onednn.mm_nt(x2, weight)
+    return torch.mm(x2, weight.t())
 
 
 class _RowAlignedLinear(torch.autograd.Function):
@@ -48,8 +66,13 @@ class _RowAlignedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x2, weight = ctx.saved_tensors
-        grad_x = grad.mm(weight) if ctx.needs_input_grad[0] else None
-        grad_w = grad.t().mm(x2) if ctx.needs_input_grad[1] else None
+        if _cpu_fp32(grad) and onednn.available():  # not canonical, only fast
+            grad = grad.contiguous()
+            grad_x = onednn.mm_nt(grad, weight.t()) if ctx.needs_input_grad[0] else None
+            grad_w = onednn.mm_nt(grad.t(), x2.t()) if ctx.needs_input_grad[1] else None
+        else:
+            grad_x = grad.mm(weight) if ctx.needs_input_grad[0] else None
+            grad_w = grad.t().mm(x2) if ctx.needs_input_grad[1] else None
         grad_b = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b
 
