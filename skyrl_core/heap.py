@@ -4,9 +4,9 @@ glibc serves allocations above its mmap threshold (128 KiB at start, adapting up
 ``mmap`` and returns them with ``munmap`` on free. A training step on a CPU allocates and frees
 thousands of activation tensors of a few MiB; each one is then fresh pages that fault on first
 touch, and elementwise kernels run at page-fault speed. Raising the mmap and trim thresholds
-keeps freed blocks in the heap, where the next tensor of the same size reuses them: measured 2-3x
-on an FSDP ``forward_backward`` of a SmolLM2-width model on 2 cores (``benchmarks/cpu_gemm.py``
-prints both). ``release_freed_memory`` gives the pages back between steps, so the resident size
+keeps freed blocks in the heap, where the next tensor of the same size reuses them: an FSDP
+``forward_backward`` of a SmolLM2-width model on 2 cores runs 1.6x faster on an idle machine (2-3x
+on a busy one; ``benchmarks/cpu_gemm.py`` runs both in child processes). ``release_freed_memory`` gives the pages back between steps, so the resident size
 does not keep a step's peak.
 
 ``SKYRL_HEAP_TUNING=0`` leaves the allocator alone. Not glibc (musl, macOS): nothing happens.

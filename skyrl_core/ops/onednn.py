@@ -2,7 +2,7 @@
 
 ``torch.nn.functional.linear`` on fp32 CPU tensors calls the BLAS PyTorch was built with (MKL in
 the PyPI wheels). On some CPUs MKL takes a slow path (measured on this project's AMD EPYC
-machine: oneDNN's fp32 GEMM runs 1.5-4x faster on the shapes of a 135M model's forward and
+machine: oneDNN's fp32 GEMM runs 1.5-2.1x faster (forward and backward) on the shapes of a 135M model's forward and
 backward; ``benchmarks/cpu_gemm.py``). oneDNN computes the same fp32 products in another
 summation order: results differ from MKL's in the last bits (both are within fp32 rounding of
 the exact product), so this is a stock-numerics choice, not a contract: IsoExec replaces it with

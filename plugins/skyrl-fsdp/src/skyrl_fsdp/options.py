@@ -61,7 +61,7 @@ class FSDPOptions:
         default="onednn",
         validator=_one_of(*CPU_GEMMS),
         metadata={
-            "help": "fp32 matrix products on CPU: onednn (forward and backward, 1.5-4x faster than MKL on some "
+            "help": "fp32 matrix products on CPU: onednn (forward and backward, 1.5-2.1x faster than MKL on some "
             "CPUs, see benchmarks/cpu_gemm.py) or torch (F.linear, PyTorch's BLAS); IsoExec overrides both"
         },
     )

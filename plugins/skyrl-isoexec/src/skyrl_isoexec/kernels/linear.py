@@ -8,7 +8,7 @@ kernels; with 2 threads the tail rows of M = 5, 6, 7, 9 do), but when M is a mul
 row gets the bits it gets in an 8-row GEMM, at any position, for any such M, with 1 or 2 threads,
 provided the weight has at least ``LINEAR_MIN_COLUMNS`` rows (a single output column takes a
 GEMV-like path; narrower weights are zero-padded). oneDNN's fp32 GEMM has the same property and
-runs 1.8-2.2x faster than MKL here (``benchmarks/cpu_gemm.py``), so it is the fp32 kernel (version 3
+runs 1.5-2.1x faster than MKL here (``benchmarks/cpu_gemm.py``), so it is the fp32 kernel (version 3
 of the spec; version 2 was MKL). Padding to a multiple of 8 makes a token's projection independent
 of the batch, at the cost of at most 7 padding rows. Gradients are the ordinary ones
 (``grad @ W``, ``grad.T @ x``, on oneDNN in fp32 too): only the forward must be canonical.
