@@ -14,6 +14,7 @@ from skyrl_core.models import load_causal_lm
 from skyrl_core.testing.engine_contract import TINY_QWEN3, argmax_decode, full_forward_logprobs, request
 from skyrl_torch.engine import TorchEngine
 from skyrl_torch.options import TorchEngineOptions
+from torch_engine_helpers import prompt, record_forwards
 
 MODEL = ModelConfig(config=dict(TINY_QWEN3))
 ATOL = 1e-5
@@ -26,23 +27,6 @@ def reference():
 
 def engine(**options) -> TorchEngine:
     return TorchEngine(MODEL, TorchEngineOptions(**options), seed=0)
-
-
-def record_forwards(eng: TorchEngine) -> list[tuple[int, int]]:
-    """Patch ``eng`` to record the (rows, tokens per row) of every forward it runs."""
-    shapes: list[tuple[int, int]] = []
-    original = eng._forward_rows
-
-    def recording(cache, rows, tokens, positions, **kwargs):
-        shapes.append(tuple(tokens.shape))
-        return original(cache, rows, tokens, positions, **kwargs)
-
-    eng._forward_rows = recording
-    return shapes
-
-
-def prompt(length: int, offset: int = 0) -> list[int]:
-    return [65 + (offset + 7 * i) % 50 for i in range(length)]
 
 
 def assert_logprobs_match(reference, samples) -> None:

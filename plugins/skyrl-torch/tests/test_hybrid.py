@@ -14,6 +14,7 @@ from skyrl_core.testing.engine_contract import TINY_QWEN3, TINY_QWEN3_NEXT, full
 from skyrl_torch.engine import TorchEngine
 from skyrl_torch.kv_cache import SlotKVCache
 from skyrl_torch.options import TorchEngineOptions
+from torch_engine_helpers import prompt, record_forwards
 
 MODEL = ModelConfig(config=dict(TINY_QWEN3_NEXT))
 ATOL = 1e-5
@@ -26,22 +27,6 @@ def reference():
 
 def engine(**options) -> TorchEngine:
     return TorchEngine(MODEL, TorchEngineOptions(**options), seed=0)
-
-
-def record_forwards(eng: TorchEngine) -> list[tuple[int, int]]:
-    shapes: list[tuple[int, int]] = []
-    original = eng._forward_rows
-
-    def recording(cache, rows, tokens, positions, **kwargs):
-        shapes.append(tuple(tokens.shape))
-        return original(cache, rows, tokens, positions, **kwargs)
-
-    eng._forward_rows = recording
-    return shapes
-
-
-def prompt(length: int, offset: int = 0) -> list[int]:
-    return [65 + (offset + 7 * i) % 50 for i in range(length)]
 
 
 def worst_error(reference, samples) -> float:
