@@ -164,6 +164,18 @@ class IsoExecCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         return build_metadata(common_attn_metadata, self._isoexec_ledger)
 
 
+def _forward_canonically(layer, query, kv_cache, attn_metadata, scale, output, output_scale, output_block_scale):
+    """An attention layer's forward with the canonical kernel (CPU and CUDA impls alike); the new
+    keys and values are already in ``kv_cache`` (``do_kv_cache_update``)."""
+    if attn_metadata is None:  # vLLM's warm-up call
+        return output
+    if output_scale is not None or output_block_scale is not None:
+        raise ValueError("IsoExec: fused output quantization has no canonical op")
+    runtime.observe("attention", layer)
+    attend(query, kv_cache, attn_metadata, scale, output)
+    return output
+
+
 class IsoExecCPUAttentionImpl(CPUAttentionBackendImpl):
     def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
                  logits_soft_cap=None, attn_type="decoder", kv_sharing_target_layer_name=None, sinks=None) -> None:
@@ -179,13 +191,8 @@ class IsoExecCPUAttentionImpl(CPUAttentionBackendImpl):
         if not self._isoexec:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                    output_scale, output_block_scale)
-        if attn_metadata is None:  # vLLM's warm-up call
-            return output
-        if output_scale is not None or output_block_scale is not None:
-            raise ValueError("IsoExec: fused output quantization has no canonical op")
-        runtime.observe("attention", layer)
-        attend(query, kv_cache, attn_metadata, self.scale, output)
-        return output
+        return _forward_canonically(layer, query, kv_cache, attn_metadata, self.scale, output, output_scale,
+                                    output_block_scale)
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         if not self._isoexec:
@@ -236,13 +243,8 @@ class IsoExecAttentionImpl(AttentionImpl):
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
-        if attn_metadata is None:
-            return output
-        if output_scale is not None or output_block_scale is not None:
-            raise ValueError("IsoExec: fused output quantization has no canonical op")
-        runtime.observe("attention", layer)
-        attend(query, kv_cache, attn_metadata, self.scale, output)
-        return output
+        return _forward_canonically(layer, query, kv_cache, attn_metadata, self.scale, output, output_scale,
+                                    output_block_scale)
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         write_kv(kv_cache, key, value, slot_mapping)
