@@ -1,12 +1,14 @@
 """fp32 matrix products on oneDNN for CPU runtimes: the ``onednn.linear`` op implementation.
 
 ``torch.nn.functional.linear`` on fp32 CPU tensors calls the BLAS PyTorch was built with (MKL in
-the PyPI wheels). On some CPUs MKL takes a slow path (measured on this project's AMD EPYC
-machine: oneDNN's fp32 GEMM runs 1.5-2.1x faster (forward and backward) on the shapes of a 135M model's forward and
-backward; ``benchmarks/cpu_gemm.py``). oneDNN computes the same fp32 products in another
-summation order: results differ from MKL's in the last bits (both are within fp32 rounding of
-the exact product), so this is a stock-numerics choice, not a contract: IsoExec replaces it with
-its canonical linear when enabled.
+the PyPI wheels). On some CPUs MKL takes a slow path: on this project's AMD EPYC machine oneDNN's
+fp32 GEMM runs 1.5-2.1x faster on the shapes of a 135M model's forward and backward
+(``benchmarks/cpu_gemm.py``). oneDNN computes the same fp32 products in another summation order,
+with fp32 accumulation; its largest error against an fp64 product measured 2-3x MKL's (1.2e-4 vs
+5e-5 on K = 576 random normals, relative to outputs of about 24), and a 30-layer SmolLM2's token
+logprobs move by up to about 2e-5. That is noise for RL; it is a stock-numerics choice, not a
+contract: IsoExec replaces it with its canonical linear when enabled, and
+``backend.options.cpu_gemm: torch`` keeps MKL.
 
 Other devices and dtypes (CUDA, bf16, which PyTorch already sends to oneDNN on CPU) take
 ``torch.nn.functional.linear`` unchanged.
