@@ -64,13 +64,26 @@ class _OneDNNLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x2, weight = ctx.saved_tensors
+        return linear_grads(grad, x2, weight, ctx.needs_input_grad, ctx.has_bias)
+
+
+def linear_grads(
+    grad: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, needs: tuple[bool, ...], has_bias: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``(dx, dW, db)`` of ``y = x2 W^T + b`` for ``grad = dy`` ``[M, N]``, computing only those
+    ``needs`` asks for: oneDNN products for fp32 CPU tensors, ``torch.mm`` otherwise. Also the
+    backward of IsoExec's canonical linear (only its forward is canonical)."""
+    if _wants_onednn(grad, weight):
         grad = grad.contiguous()
         # Transposed views, not copies: oneDNN reads strided operands itself (same bits, measured
         # faster than copying the lm_head weight per micro-batch).
-        grad_x = mm_nt(grad, weight.t()) if ctx.needs_input_grad[0] else None
-        grad_w = mm_nt(grad.t(), x2.t()) if ctx.needs_input_grad[1] else None
-        grad_b = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b
+        grad_x = mm_nt(grad, weight.t()) if needs[0] else None
+        grad_w = mm_nt(grad.t(), x2.t()) if needs[1] else None
+    else:
+        grad_x = grad.mm(weight) if needs[0] else None
+        grad_w = grad.t().mm(x2) if needs[1] else None
+    grad_b = grad.sum(0) if has_bias and needs[2] else None
+    return grad_x, grad_w, grad_b
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

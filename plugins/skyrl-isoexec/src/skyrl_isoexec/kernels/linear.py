@@ -66,15 +66,7 @@ class _RowAlignedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x2, weight = ctx.saved_tensors
-        if _cpu_fp32(grad) and onednn.available():  # not canonical, only fast
-            grad = grad.contiguous()
-            grad_x = onednn.mm_nt(grad, weight.t()) if ctx.needs_input_grad[0] else None
-            grad_w = onednn.mm_nt(grad.t(), x2.t()) if ctx.needs_input_grad[1] else None
-        else:
-            grad_x = grad.mm(weight) if ctx.needs_input_grad[0] else None
-            grad_w = grad.t().mm(x2) if ctx.needs_input_grad[1] else None
-        grad_b = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b
+        return onednn.linear_grads(grad, x2, weight, ctx.needs_input_grad, ctx.has_bias)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
