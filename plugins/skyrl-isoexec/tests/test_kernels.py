@@ -64,6 +64,25 @@ def test_linear_negative_control_and_the_multiple_of_8_property(dtype):
             assert int((bits(whole) != bits(blocks)).sum()) == 0, (threads, rows)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_columns_are_independent_of_the_other_columns(dtype):
+    # What lets an engine run q/k/v (or gate/up) as one GEMM on the concatenated weight while the
+    # trainer runs three: each output column gets the bits of its own weight row alone, for any
+    # widths (SmolLM2's and Qwen3's shapes among them), with 1 or 2 threads.
+    before = torch.get_num_threads()
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for k, widths in ((576, (576, 192, 192)), (576, (1536, 1536)), (1024, (2048, 256, 256)), (64, (48, 16, 100))):
+            parts = [torch.randn(n, k, generator=_gen(n)).to(dtype) for n in widths]
+            fused_weight = torch.cat(parts)
+            for rows in (1, 16, 72):
+                x = torch.randn(rows, k, generator=_gen(rows)).to(dtype)
+                fused = linear.linear(x, fused_weight)
+                separate = torch.cat([linear.linear(x, w) for w in parts], dim=1)
+                assert int((bits(fused) != bits(separate)).sum()) == 0, (threads, k, widths, rows)
+    torch.set_num_threads(before)
+
+
 def test_linear_gradient_is_the_ordinary_one():
     x = torch.randn(10, 32, generator=_gen(), requires_grad=True)
     w = torch.randn(16, 32, generator=_gen(1), requires_grad=True)

@@ -10,7 +10,10 @@ provided the weight has at least ``LINEAR_MIN_COLUMNS`` rows (a single output co
 GEMV-like path; narrower weights are zero-padded). oneDNN's fp32 GEMM has the same property and
 runs 1.5-2.1x faster than MKL here (``benchmarks/cpu_gemm.py``), so it is the fp32 kernel (version 3
 of the spec; version 2 was MKL). Padding to a multiple of 8 makes a token's projection independent
-of the batch, at the cost of at most 7 padding rows. Gradients are the ordinary ones
+of the batch, at the cost of at most 7 padding rows. Columns are independent too: an output column
+gets the bits of its own weight row alone, whatever rows are stacked with it, so an engine may run
+q/k/v (or gate/up) as one GEMM over the concatenated weight where the trainer runs three
+(``test_linear_columns_are_independent_of_the_other_columns``). Gradients are the ordinary ones
 (``grad @ W``, ``grad.T @ x``, on oneDNN in fp32 too): only the forward must be canonical.
 """
 
