@@ -127,6 +127,35 @@ def test_tree_sum_ignores_trailing_zeros_and_thread_count():
     assert int((bits(two) != bits(tree_sum(big))).sum()) == 0
 
 
+def test_tree_sum_gradient_and_grad_mode_forward():
+    x = torch.randn(3, 5, 300, generator=_gen(), requires_grad=True)
+    g = torch.randn(3, 300, generator=_gen(1))
+    for dim in (-1, 1):
+        out = tree_sum(x, dim=dim)
+        with torch.no_grad():
+            assert int((bits(out) != bits(tree_sum(x, dim=dim))).sum()) == 0
+        weights = g if dim == 1 else g[:, :5]
+        (grad,) = torch.autograd.grad((out * weights).sum(), x)
+        (want,) = torch.autograd.grad((x.sum(dim) * weights).sum(), x)
+        assert torch.equal(grad, want)
+
+
+def test_logprobs_and_rms_norm_gradients_are_the_ordinary_ones():
+    logits = (torch.randn(20, 1000, generator=_gen()) * 3).requires_grad_()
+    ids = torch.randint(0, 1000, (20,), generator=_gen(1))
+    g = torch.randn(20, generator=_gen(2))
+    got = torch.autograd.grad((logprobs.logprobs(logits, ids, 0.7) * g).sum(), logits)[0]
+    want = torch.autograd.grad((torch.log_softmax(logits / 0.7, -1).gather(-1, ids[:, None])[:, 0] * g).sum(), logits)[0]
+    torch.testing.assert_close(got, want)
+    x = torch.randn(20, 96, generator=_gen(3), requires_grad=True)
+    w = (torch.randn(96, generator=_gen(4)) * 0.1 + 1).requires_grad_()
+    gy = torch.randn(20, 96, generator=_gen(5))
+    got = torch.autograd.grad((elementwise.rms_norm(x, w, 1e-6) * gy).sum(), (x, w))
+    want = torch.autograd.grad((w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * gy).sum(), (x, w))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
 def test_rope_table_entries_do_not_depend_on_table_size():
     inv_freq = 1.0 / (10000 ** (torch.arange(0, 32, 2).float() / 32))
     elementwise._rope_tables.clear()
@@ -165,6 +194,117 @@ def test_attention_prefill_equals_decode_with_padding_and_longer_caches(dtype):
             visible[..., : t + 1 - pad] = True
             step = attention_kernel.attention(q[b : b + 1, :, t : t + 1], kk, vv, visible, 0.17)
             assert int((bits(step[0, 0]) != bits(full[b, t])).sum()) == 0, (b, t)
+
+
+def _attention_as_specified(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """Canonical attention exactly as its spec (version 2) states it, in its plainest form: every
+    key slot up to a power-of-two number of blocks computed, masked scores at -inf. The kernel must
+    give these bits."""
+    batch, heads, tq, dim = query.shape
+    kv_heads, tk = key.shape[1], key.shape[2]
+    if heads % kv_heads:
+        raise ValueError(f"canonical attention: {heads} query heads are not a multiple of {kv_heads} kv heads")
+    rep = heads // kv_heads
+    visible = attention_kernel._as_visible(visible)
+    if visible.shape[1] != 1:
+        visible = visible[:, :1]  # per-head masks are identical for causal/padding masks
+    visible = visible.expand(batch, 1, tq, tk)[:, 0]  # [B, Tq, Tk]
+
+    # Re-index keys so that key 0 is the first key the last query sees.
+    start = torch.where(visible[:, -1].any(-1), visible[:, -1].float().argmax(-1), 0)  # [B]
+    counts = visible.sum(-1)  # [B, Tq]
+    if bool((start > 0).any()):
+        index = (torch.arange(tk, device=key.device)[None, :] + start[:, None]).clamp(max=tk - 1)  # [B, Tk]
+        gather = index[:, None, :, None].expand(batch, kv_heads, tk, dim)
+        key = key.gather(2, gather)
+        value = value.gather(2, gather)
+        visible = visible.gather(2, index[:, None, :].expand(batch, tq, tk)) & (
+            torch.arange(tk, device=key.device)[None, None, :] < (tk - start)[:, None, None]
+        )
+    prefix = torch.arange(tk, device=key.device)[None, None, :] < counts[..., None]
+    if not bool((prefix == visible).all()):
+        raise ValueError(
+            "canonical attention needs every query to see a contiguous run of keys starting at its sequence start "
+            "(causal attention with padding or a KV cache); got another mask"
+        )
+
+    kv_blocks = attention_kernel.next_power_of_two(-(-tk // attention_kernel.KEY_BLOCK))
+    slots = kv_blocks * attention_kernel.KEY_BLOCK
+    # Query rows per kv head: [B*Hkv, rows, D], rows padded to a multiple of attention_kernel.ROW_ALIGN.
+    rows = rep * tq
+    padded_rows = -(-rows // attention_kernel.ROW_ALIGN) * attention_kernel.ROW_ALIGN
+    q = attention_kernel._pad_dim(query.float().reshape(batch * kv_heads, rows, dim), 1, padded_rows)
+    k = attention_kernel._pad_dim(key.float().reshape(batch * kv_heads, tk, dim), 1, slots)
+    v = attention_kernel._pad_dim(value.float().reshape(batch * kv_heads, tk, dim), 1, slots)
+
+    # Scores: one GEMM per kv head, [rows, D] @ [D, slots]; rows a multiple of 8, slots of 64.
+    scores = torch.bmm(q, k.transpose(1, 2)).view(batch, kv_heads, padded_rows, slots) * scaling
+
+    # Visible slots per row: rows are (rep, Tq) flattened; counts are per (B, Tq).
+    row_counts = counts[:, None, :].expand(batch, rep, tq).reshape(batch, 1, rows)
+    row_counts = attention_kernel._pad_dim(row_counts, 2, padded_rows)
+    seen = torch.arange(slots, device=scores.device)[None, None, None, :] < row_counts[..., None]
+    scores = scores.masked_fill(~seen, float("-inf"))
+    top = scores.amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)  # finite for empty rows
+    weights = torch.exp(scores - top)
+    total = tree_sum(weights)
+    weights = weights / torch.where(total > 0, total, 1.0).unsqueeze(-1)
+
+    # Weighted values: one GEMM per key block, [rows, attention_kernel.KEY_BLOCK] @ [attention_kernel.KEY_BLOCK, D], block partials
+    # combined by a halving tree.
+    blocks = weights.view(batch * kv_heads, padded_rows, kv_blocks, attention_kernel.KEY_BLOCK).transpose(1, 2)
+    partial = torch.bmm(
+        blocks.reshape(-1, padded_rows, attention_kernel.KEY_BLOCK), v.view(batch * kv_heads * kv_blocks, attention_kernel.KEY_BLOCK, dim)
+    ).view(batch * kv_heads, kv_blocks, padded_rows, dim)
+    out = tree_sum(partial, dim=1)[:, :rows]  # [B*Hkv, rows, D]
+    out = out.reshape(batch, heads, tq, dim).transpose(1, 2)
+    return out.to(query.dtype).contiguous()
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_kernel_gives_the_bits_of_its_plain_specification(dtype):
+    # The kernel skips work the definition does (key blocks past the last key, exp of hidden
+    # slots); on every shape it must still give the definition's bits, dead rows included.
+    before = torch.get_num_threads()
+    g = _gen(11)
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for heads, kv_heads in ((4, 2), (3, 3), (8, 2)):
+            for tk in (1, 7, 64, 65, 130, 200, 257):
+                k = torch.randn(2, kv_heads, tk, 32, generator=g).to(dtype)
+                v = torch.randn(2, kv_heads, tk, 32, generator=g).to(dtype)
+                for tq, pads in ((tk, [0, min(5, tk - 1)]), (1, [0, 0]), (3, [0, min(2, tk - 1)])):
+                    if tq > tk:
+                        continue
+                    q = (torch.randn(2, heads, tq, 32, generator=g) * 3).to(dtype)
+                    visible = _causal(2, tq, tk, pads)
+                    got = attention_kernel.attention(q, k, v, visible, 0.2)
+                    want = _attention_as_specified(q, k, v, visible, 0.2)
+                    assert int((bits(got) != bits(want)).sum()) == 0, (threads, heads, kv_heads, tk, tq)
+    torch.set_num_threads(before)
+
+
+def _reference_attention(q, k, v, visible, scaling):
+    """Plain masked softmax attention with repeated kv heads, fp32 (rows that see nothing: zeros)."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    scores = (q @ k.transpose(-1, -2) * scaling).masked_fill(~visible, float("-inf"))
+    return (torch.softmax(scores, -1).nan_to_num(0.0) @ v).transpose(1, 2)
+
+
+def test_attention_gradient_is_the_ordinary_one_and_grad_mode_keeps_the_forward_bits():
+    q, k, v = (t.requires_grad_() for t in _attention_inputs(torch.float32))
+    visible = _causal(3, 40, 40, [0, 5, 13])  # padded rows of sequences 1 and 2 see nothing
+    g = torch.randn(3, 40, 4, 32, generator=_gen(7))
+    out = attention_kernel.attention(q, k, v, visible, 0.17)
+    with torch.no_grad():
+        assert int((bits(out) != bits(attention_kernel.attention(q, k, v, visible, 0.17))).sum()) == 0
+    got = torch.autograd.grad((out * g).sum(), (q, k, v))
+    want = torch.autograd.grad((_reference_attention(q, k, v, visible, 0.17) * g).sum(), (q, k, v))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert float(got[0][2, :, :13].abs().max()) == 0.0  # queries that see nothing get no gradient
 
 
 def test_score_gemm_property_the_attention_relies_on():

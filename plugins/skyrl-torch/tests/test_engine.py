@@ -265,3 +265,19 @@ def test_registered_in_the_plugin_manager(fresh_plugin_manager):
     spec = fresh_plugin_manager.spec("inference_engine", "torch")
     assert spec.load_factory() is TorchEngine
     assert spec.load_options_class() is TorchEngineOptions
+
+
+def test_installed_ops_walk_needs_every_walked_op_installed_at_both_engine_sites():
+    import attrs
+
+    from skyrl_core.ops.install import DEFAULT_IMPLS
+    from skyrl_core.ops.ledger import OpLedger
+    from skyrl_torch.installed_ops_decoder import ENGINE_SITES, WALKED_OPS, missing_ops
+
+    ledger = OpLedger(role="engine")
+    for site in ENGINE_SITES:
+        for op in WALKED_OPS:
+            ledger.declare(op, site, attrs.evolve(DEFAULT_IMPLS[op], name=f"plugin.{op}"))
+    assert missing_ops(ledger) == []
+    ledger.declare("rope", "engine_decode", DEFAULT_IMPLS["rope"])  # one stock op at one site
+    assert missing_ops(ledger) == ["rope@engine_decode"]

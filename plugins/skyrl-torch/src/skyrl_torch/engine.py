@@ -36,6 +36,7 @@ from skyrl_core.heap import keep_freed_memory
 from skyrl_core.models import load_causal_lm, load_tokenizer
 from skyrl_core.ops import prepare_model, site_scope, token_logprobs
 from skyrl_core.types import GeneratedSample, GenerationRequest
+from skyrl_torch.installed_ops_decoder import InstalledOpsDecoder, missing_ops
 from skyrl_torch.kv_cache import SlotKVCache
 from skyrl_torch.native_decoder import NativeDecoder, onednn_available, unsupported_reason
 from skyrl_torch.options import TorchEngineOptions
@@ -143,8 +144,8 @@ class TorchEngine:
         return {
             "ledger": self.ledger.as_dict(),
             "model_dtype": str(self.model.dtype).removeprefix("torch."),
-            "implementation": "native" if self.native is not None else "transformers",
-            "gemm": self.native.gemm if self.native is not None else "torch",
+            "implementation": self._implementation_name(),
+            "gemm": self.native.gemm if isinstance(self.native, NativeDecoder) else "torch",
             "torch": torch.__version__,
         }
 
@@ -293,7 +294,7 @@ class TorchEngine:
         fresh: bool = False,
     ) -> torch.Tensor:
         mask = cache.plan(rows, positions, contiguous=contiguous, fresh=fresh)
-        if self.native is not None:
+        if self.native is not None and not _tapped(self.model):
             return self.native.forward(cache, tokens, positions, mask)
         if self.linear_layers:
             # Attention layers take the slot mask; linear-attention layers zero the inputs of
@@ -422,20 +423,29 @@ class TorchEngine:
                 f"exceeds max_model_len {self.max_model_len}"
             )
 
-    def _native_decoder(self) -> NativeDecoder | None:
-        """The lean forward when chosen and possible; ``None`` runs the model's own modules."""
+    def _native_decoder(self) -> NativeDecoder | InstalledOpsDecoder | None:
+        """The lean forward when chosen and possible (over the installed ops when an op plugin
+        installed any); ``None`` runs the model's own modules."""
         choice = self.options.implementation
         if choice == "transformers":
             return None
         reason = unsupported_reason(self.model)
-        if reason is None and not _stock_ops(self.ledger):
-            reason = "an op plugin installed non-stock ops (they patch the transformers modules)"
-        if reason is None:
+        if reason is None and _stock_ops(self.ledger):
             use_onednn = self.options.cpu_gemm == "onednn" and self.options.device == "cpu" and onednn_available()
             return NativeDecoder(self.model, gemm="onednn" if use_onednn else "torch")
+        if reason is None:
+            missing = missing_ops(self.ledger)
+            if not missing:
+                return InstalledOpsDecoder(self.model, self.ledger)
+            reason = f"an op plugin installed some ops but left stock ones at {', '.join(missing[:4])}"
         if choice == "native":
             raise ValueError(f"engine option implementation='native' is not possible for this model: {reason}")
         return None
+
+    def _implementation_name(self) -> str:
+        if isinstance(self.native, NativeDecoder):
+            return "native"
+        return "native, installed ops" if self.native is not None else "transformers"
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -449,6 +459,12 @@ class TorchEngine:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this TorchEngine is closed")
+
+
+def _tapped(model: Any) -> bool:
+    """A debugging tap on the model's op dispatch sees only the patched modules' calls."""
+    dispatch = getattr(model, "_skyrl_dispatch", None)
+    return dispatch is not None and dispatch.tap is not None
 
 
 def _stock_ops(ledger: Any) -> bool:

@@ -106,9 +106,11 @@ class SlotKVCache(Cache):
         """transformers' attention layers call this with ``[n, kv_heads, q, head_dim]`` keys/values."""
         return self.write_and_read(layer_idx, key_states.transpose(1, 2), value_states.transpose(1, 2))
 
-    def write_and_read(self, layer_idx: int, keys_new: torch.Tensor, values_new: torch.Tensor):
+    def write_and_read(self, layer_idx: int, keys_new: torch.Tensor, values_new: torch.Tensor, *, read_multiple: int = 1):
         """Write this forward's keys/values (``[n, q, kv_heads, head_dim]``) at the planned positions;
-        return the rows' cached keys/values ``[n, kv_heads, visible length, head_dim]``."""
+        return the rows' cached keys/values ``[n, kv_heads, length, head_dim]``, ``length`` being the
+        longest visible length rounded up to ``read_multiple`` (at most ``capacity``). Keys past the
+        visible length are whatever the slot holds: finite, and hidden by the mask."""
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         if keys is None:
             keys = self.keys[layer_idx] = self._allocate(keys_new)
@@ -117,10 +119,11 @@ class SlotKVCache(Cache):
         # Indexing [rows, :, pos] puts the advanced dims first: [n, q, kv_heads, head_dim].
         keys[rows, :, self._write_pos] = keys_new.to(keys.dtype)
         values[rows, :, self._write_pos] = values_new.to(values.dtype)
+        length = min(-(-self._kv_len // read_multiple) * read_multiple, self.capacity)
         if self._contiguous_rows:
             n = self._contiguous_rows
-            return keys[:n, :, : self._kv_len], values[:n, :, : self._kv_len]
-        return keys[self._rows, :, : self._kv_len], values[self._rows, :, : self._kv_len]
+            return keys[:n, :, :length], values[:n, :, :length]
+        return keys[self._rows, :, :length], values[self._rows, :, :length]
 
     # -- what linear-attention layers call (transformers' linear-attention cache API) ----------
 

@@ -17,8 +17,9 @@ On CPU, matrix products can go to oneDNN (``gemm="onednn"``) instead of the BLAS
 ``torch.nn.functional.linear``: same fp32 arithmetic in another summation order, and on some CPUs
 (AMD EPYC with MKL, measured) several times faster at decode batch sizes.
 
-Only used when the engine's op ledger holds the stock implementation of every op: an op plugin
-(IsoExec) patches the transformers modules, and then the engine runs those modules instead.
+Only used when the engine's op ledger holds the stock implementation of every op; with an op
+plugin's implementations installed (IsoExec) the engine runs ``InstalledOpsDecoder``
+(``installed_ops_decoder.py``), the same walk on the installed ops.
 """
 
 from __future__ import annotations
@@ -81,9 +82,13 @@ def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
     return weight, bias
 
 
-class _Layer:
+class LayerWeights:
+    """One decoder layer's modules, with q/k/v and gate/up weights fused (the modules' parameters
+    become views of the fused tensors)."""
+
     def __init__(self, layer: torch.nn.Module) -> None:
         attn, mlp = layer.self_attn, layer.mlp
+        self.attn, self.mlp = attn, mlp
         self.qkv_weight, self.qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
         self.gate_up_weight, self.gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj])
         self.o_proj, self.down_proj = attn.o_proj, mlp.down_proj
@@ -146,7 +151,7 @@ class NativeDecoder:
         self.rotary = body.rotary_emb
         self.final_norm = body.norm
         self.lm_head = model.lm_head
-        self.layers = [_Layer(layer) for layer in body.layers]
+        self.layers = [LayerWeights(layer) for layer in body.layers]
 
     def forward(self, cache: SlotKVCache, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Logits ``[n, V]`` of each row's last token; ``cache.plan`` must have been called."""
@@ -157,11 +162,11 @@ class NativeDecoder:
         half = cos.shape[-1] // 2
         cos = cos.unsqueeze(2)
         sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1).unsqueeze(2)
-        with _Threads(h.device.type == "cpu" and h.numel() < SERIAL_ELEMENTWISE_BELOW) as threads:
+        with ProjectionThreads(h.device.type == "cpu" and h.numel() < SERIAL_ELEMENTWISE_BELOW) as threads:
             return self._layers(h, cos, sin, cache, mask, threads)
 
     def _layers(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: SlotKVCache, mask: torch.Tensor, threads: _Threads
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: SlotKVCache, mask: torch.Tensor, threads: ProjectionThreads
     ) -> torch.Tensor:
         n, q_len = h.shape[:2]
         decode_masks: dict[int, torch.Tensor] = {}  # per kv-head count: the mask repeated per head
@@ -205,7 +210,7 @@ class NativeDecoder:
         return self._linear(last, self.lm_head.weight)
 
 
-class _Threads:
+class ProjectionThreads:
     """Intra-op threads for the projections only: element-wise kernels and attention's many tiny
     products on decode-sized tensors gain little from more threads, and each parallel region waits
     for every thread to be scheduled, which on a busy machine costs milliseconds."""
@@ -225,7 +230,7 @@ class _Threads:
             torch.set_num_threads(self.full)
             self.current = self.full
 
-    def __enter__(self) -> _Threads:
+    def __enter__(self) -> ProjectionThreads:
         return self
 
     def __exit__(self, *exc: object) -> None:

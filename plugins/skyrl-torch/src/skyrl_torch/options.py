@@ -61,9 +61,9 @@ class TorchEngineOptions:
         default="auto",
         validator=_one_of(*IMPLEMENTATIONS),
         metadata={
-            "help": "native: a lean forward for Llama/Mistral/Qwen2/Qwen3 over the model's weights; transformers: "
-            "the model's own modules (any causal LM; required when an op plugin such as IsoExec installs ops); "
-            "auto: native when possible"
+            "help": "native: a lean forward for Llama/Mistral/Qwen2/Qwen3 over the model's weights (over an op "
+            "plugin's ops, such as IsoExec's, when one installs them all); transformers: the model's own modules "
+            "(any causal LM); auto: native when possible"
         },
     )
     cpu_gemm: str = attrs.field(

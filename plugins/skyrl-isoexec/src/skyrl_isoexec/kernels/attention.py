@@ -16,11 +16,17 @@ anything else is refused). In that frame:
 
 So a query's output depends only on its query vector and its visible keys/values: identical for
 a full forward over a padded batch and for one decode step against a KV cache of any length.
+
+Only the forward is canonical. The backward is the textbook one (recompute the probabilities with
+one masked softmax, then four batched products), not autograd through the blocked forward: the
+padding, tree sums and per-block products would cost the trainer several times the forward again,
+and no claim rests on the gradient's bits.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from skyrl_isoexec.kernels.reduce import next_power_of_two, tree_sum
 
@@ -51,6 +57,56 @@ def attention(
 ) -> torch.Tensor:
     """``softmax(q k^T * scaling) v`` over visible keys; ``[B, H, Tq, D]`` x ``[B, Hkv, Tk, D]`` ->
     ``[B, Tq, H, D]`` in the query's dtype. Rows that see no key get zeros. Differentiable."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        return _CanonicalAttention.apply(query, key, value, visible, scaling)
+    return canonical_forward(query, key, value, visible, scaling)
+
+
+class _CanonicalAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, key, value, visible, scaling):
+        out = canonical_forward(query, key, value, visible, scaling)
+        ctx.save_for_backward(query, key, value, visible, out)
+        ctx.scaling = scaling
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        query, key, value, visible, out = ctx.saved_tensors
+        grads = attention_grads(grad, query, key, value, visible, out, ctx.scaling)
+        wanted = ctx.needs_input_grad
+        return (*(g if w else None for g, w in zip(grads, wanted)), None, None)
+
+
+def attention_grads(
+    grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor,
+    out: torch.Tensor, scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of ``attention`` w.r.t. query, key and value (in their dtypes), computed in fp32 with
+    the query heads of each kv head stacked as rows, so keys/values are never repeated."""
+    batch, heads, tq, dim = query.shape
+    kv_heads, tk = key.shape[1], key.shape[2]
+    rows = heads // kv_heads * tq
+    visible = _as_visible(visible)[:, :1].expand(batch, 1, tq, tk)
+    visible = visible.repeat(1, 1, heads // kv_heads, 1)  # [B, 1, rows, Tk]: row = (head in group, query)
+    q = query.float().reshape(batch, kv_heads, rows, dim)
+    k, v = key.float(), value.float()
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scaling).masked_fill_(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # rows that see nothing: zeros, as forward
+    d_out = grad.float().transpose(1, 2).reshape(batch, kv_heads, rows, dim)
+    o = out.float().transpose(1, 2).reshape(batch, kv_heads, rows, dim)
+    d_value = torch.matmul(probs.transpose(-1, -2), d_out)
+    d_probs = torch.matmul(d_out, v.transpose(-1, -2))
+    d_scores = probs.mul_(d_probs.sub_((d_out * o).sum(-1, keepdim=True))).mul_(scaling)
+    d_query = torch.matmul(d_scores, k).reshape(batch, heads, tq, dim)
+    d_key = torch.matmul(d_scores.transpose(-1, -2), q)
+    return d_query.to(query.dtype), d_key.to(key.dtype), d_value.to(value.dtype)
+
+
+def canonical_forward(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """The canonical forward of ``attention`` (no autograd graph of its own steps needed)."""
     batch, heads, tq, dim = query.shape
     kv_heads, tk = key.shape[1], key.shape[2]
     if heads % kv_heads:
@@ -79,34 +135,54 @@ def attention(
             "(causal attention with padding or a KV cache); got another mask"
         )
 
-    kv_blocks = next_power_of_two(-(-tk // KEY_BLOCK))
-    slots = kv_blocks * KEY_BLOCK
+    # The definition pads keys to a power-of-two number of KEY_BLOCK blocks; only the blocks that hold
+    # keys are computed: the score GEMM's bits per (row, key) do not depend on the slot count, the
+    # softmax sum (``tree_sum``) pads with the same zeros itself, and a missing block's partial is
+    # an exact zero in the combine (see below).
+    used_blocks = -(-tk // KEY_BLOCK)
+    kv_blocks = next_power_of_two(used_blocks)
+    slots = used_blocks * KEY_BLOCK
     # Query rows per kv head: [B*Hkv, rows, D], rows padded to a multiple of ROW_ALIGN.
     rows = rep * tq
     padded_rows = -(-rows // ROW_ALIGN) * ROW_ALIGN
     q = _pad_dim(query.float().reshape(batch * kv_heads, rows, dim), 1, padded_rows)
-    k = _pad_dim(key.float().reshape(batch * kv_heads, tk, dim), 1, slots)
-    v = _pad_dim(value.float().reshape(batch * kv_heads, tk, dim), 1, slots)
+    # Contiguous copies: a strided view (a KV cache read in place) runs the batched products slower.
+    k = _pad_dim(key.float().reshape(batch * kv_heads, tk, dim).contiguous(), 1, slots)
+    v = _pad_dim(value.float().reshape(batch * kv_heads, tk, dim).contiguous(), 1, slots)
 
     # Scores: one GEMM per kv head, [rows, D] @ [D, slots]; rows a multiple of 8, slots of 64.
-    scores = torch.bmm(q, k.transpose(1, 2)).view(batch, kv_heads, padded_rows, slots) * scaling
+    scores = torch.bmm(q, k.transpose(1, 2)).view(batch, kv_heads, padded_rows, slots).mul_(scaling)
 
+    # The softmax runs on the real rows only (padding rows see no key: their weights are zeros).
+    if padded_rows != rows:
+        scores = scores[:, :, :rows]
     # Visible slots per row: rows are (rep, Tq) flattened; counts are per (B, Tq).
     row_counts = counts[:, None, :].expand(batch, rep, tq).reshape(batch, 1, rows)
-    row_counts = _pad_dim(row_counts, 2, padded_rows)
-    seen = torch.arange(slots, device=scores.device)[None, None, None, :] < row_counts[..., None]
-    scores = scores.masked_fill(~seen, float("-inf"))
-    top = scores.amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)  # finite for empty rows
-    weights = torch.exp(scores - top)
+    hidden = torch.arange(slots, device=scores.device)[None, None, None, :] >= row_counts[..., None]
+    hidden = hidden.expand(batch, kv_heads, rows, slots).contiguous()  # (masked_fill is slow to broadcast)
+    top = scores.masked_fill(hidden, float("-inf")).amax(-1, keepdim=True)
+    top = top.clamp_(min=torch.finfo(torch.float32).min)  # finite for empty rows
+    # exp of the visible entries only: hidden ones are set to 0 before (exp(-inf) runs several
+    # times slower than exp of a finite value) and to exactly 0 after, as exp(-inf) would give.
+    weights = (scores - top).masked_fill_(hidden, 0.0).exp_().masked_fill_(hidden, 0.0)
     total = tree_sum(weights)
-    weights = weights / torch.where(total > 0, total, 1.0).unsqueeze(-1)
+    weights = weights.div_(torch.where(total > 0, total, 1.0).unsqueeze(-1))
+    if padded_rows != rows:
+        weights = F.pad(weights, (0, 0, 0, padded_rows - rows))
 
     # Weighted values: one GEMM per key block, [rows, KEY_BLOCK] @ [KEY_BLOCK, D], block partials
-    # combined by a halving tree.
-    blocks = weights.view(batch * kv_heads, padded_rows, kv_blocks, KEY_BLOCK).transpose(1, 2)
-    partial = torch.bmm(
-        blocks.reshape(-1, padded_rows, KEY_BLOCK), v.view(batch * kv_heads * kv_blocks, KEY_BLOCK, dim)
-    ).view(batch * kv_heads, kv_blocks, padded_rows, dim)
-    out = tree_sum(partial, dim=1)[:, :rows]  # [B*Hkv, rows, D]
+    # combined by a halving tree over kv_blocks (a power of two). A block past the keys would add an
+    # exact +0 partial: ``x + 0.0`` keeps every bit of x except turning -0 into +0.
+    weights = weights.view(batch * kv_heads, padded_rows, slots)
+    partials: list[torch.Tensor | None] = [
+        torch.bmm(weights[:, :, j * KEY_BLOCK : (j + 1) * KEY_BLOCK], v[:, j * KEY_BLOCK : (j + 1) * KEY_BLOCK])
+        for j in range(used_blocks)
+    ]
+    partials += [None] * (kv_blocks - used_blocks)
+    width = kv_blocks
+    while width > 1:
+        width //= 2
+        partials = [a + b if b is not None else a + 0.0 for a, b in zip(partials[:width], partials[width:])]
+    out = partials[0][:, :rows]  # [B*Hkv, rows, D]
     out = out.reshape(batch, heads, tq, dim).transpose(1, 2)
     return out.to(query.dtype).contiguous()

@@ -84,3 +84,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if bias is not None:
             out = out + bias
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+# Engines may fuse projections over this linear (see the module docstring; skyrl-torch reads it).
+linear.columns_independent = True

@@ -16,10 +16,19 @@ def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     The result for each output element depends only on the values summed, in their order along
     ``dim``: appending zeros (up to any power of two) leaves it unchanged bit for bit, because the
     first halving steps then add exact zeros. Elementwise adds are exactly rounded whatever the
-    vectorisation or thread split, so the result is also thread-count invariant. Differentiable.
+    vectorisation or thread split, so the result is also thread-count invariant.
+
+    Differentiable, with the gradient of any sum (the output's gradient broadcast over ``dim``):
+    autograd through the halving steps would allocate a zero-filled copy of ``x`` per level.
     """
     if dim != -1 and dim != x.dim() - 1:
         x = x.movedim(dim, -1)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _TreeSum.apply(x)
+    return _tree_sum_last(x)
+
+
+def _tree_sum_last(x: torch.Tensor) -> torch.Tensor:
     n = x.shape[-1]
     width = next_power_of_two(n)
     if width != n:
@@ -28,6 +37,17 @@ def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         width //= 2
         x = x[..., :width] + x[..., width:]
     return x[..., 0]
+
+
+class _TreeSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.shape = x.shape
+        return _tree_sum_last(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.unsqueeze(-1).expand(ctx.shape)
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
