@@ -99,8 +99,16 @@ def test_rms_norm_and_silu_mul_rows(dtype):
     x = torch.randn(60, 96, generator=_gen()).to(dtype)
     w = (torch.randn(96, generator=_gen(1)) * 0.1 + 1).to(dtype)
     g = torch.randn(60, 96, generator=_gen(2)).to(dtype)
-    assert _row_mismatch(lambda t: elementwise.rms_norm(t, w, 1e-6), x) == 0
-    assert _row_mismatch(lambda t: elementwise.rms_norm(t, w, 1e-6, unit_offset=True), x) == 0
+    before = torch.get_num_threads()
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        assert _row_mismatch(lambda t: elementwise.rms_norm(t, w, 1e-6), x) == 0
+        assert _row_mismatch(lambda t: elementwise.rms_norm(t, w, 1e-6, unit_offset=True), x) == 0
+    torch.set_num_threads(1)
+    one = elementwise.rms_norm(x, w, 1e-6)
+    torch.set_num_threads(2)
+    assert int((bits(one) != bits(elementwise.rms_norm(x, w, 1e-6))).sum()) == 0
+    torch.set_num_threads(before)
     assert _sliced_mismatch(lambda s: elementwise.rms_norm(x[s], w, 1e-6, gate=g[s]), 60) == 0
     assert _sliced_mismatch(lambda s: elementwise.silu_mul(g[s], x[s]), 60) == 0
 
@@ -343,12 +351,24 @@ def test_attention_refuses_a_non_prefix_mask():
         attention_kernel.attention(q, k, v, visible, 0.17)
 
 
-def test_logprobs_rows_and_temperature():
-    logits = torch.randn(50, 4096, generator=_gen()) * 3
-    ids = torch.randint(0, 4096, (50,), generator=_gen(1))
-    assert _sliced_mismatch(lambda s: logprobs.logprobs(logits[s], ids[s]), 50) == 0
+@pytest.mark.parametrize("vocab", [1000, 4096, 49152, 151936])
+def test_logprobs_rows_and_temperature(vocab):
+    # What the kernel relies on: torch's log-softmax computes each row alone, so a row's bits do
+    # not depend on the rows around it or on the thread count (vocabularies of SmolLM2 and Qwen).
+    logits = torch.randn(50, vocab, generator=_gen()) * 3
+    ids = torch.randint(0, vocab, (50,), generator=_gen(1))
+    before = torch.get_num_threads()
+    per_thread = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        assert _sliced_mismatch(lambda s: logprobs.logprobs(logits[s], ids[s]), 50) == 0
+        per_thread.append(logprobs.logprobs(logits, ids))
+    torch.set_num_threads(before)
+    assert int((bits(per_thread[0]) != bits(per_thread[1])).sum()) == 0
+    full = logprobs.full_log_softmax(logits)
+    assert int((bits(full.gather(-1, ids[:, None])[:, 0]) != bits(per_thread[0])).sum()) == 0
     scaled = logprobs.logprobs(logits, ids, 0.7)
-    torch.testing.assert_close(scaled, torch.log_softmax(logits / 0.7, -1).gather(-1, ids[:, None])[:, 0])
+    torch.testing.assert_close(scaled, torch.log_softmax(logits.double() / 0.7, -1).gather(-1, ids[:, None])[:, 0].float())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -420,3 +440,14 @@ def test_gdn_negative_control_chunked_vs_recurrent():
     chunked, _ = torch_chunk_gated_delta_rule(q, k, v, g=decay, beta=beta, use_qk_l2norm_in_kernel=True)
     recurrent, _ = torch_recurrent_gated_delta_rule(q, k, v, g=decay, beta=beta, use_qk_l2norm_in_kernel=True)
     assert int((bits(chunked) != bits(recurrent)).sum()) > 0
+
+
+def test_kernel_caches_filled_in_inference_mode_serve_autograd():
+    # An engine (inference mode) and a trainer (autograd) share one process in tests and benchmarks.
+    x = torch.randn(4, 40, generator=_gen())
+    elementwise._ones.clear()
+    with torch.inference_mode():
+        elementwise.rms_norm(x.clone(), torch.ones(40), 1e-6)
+    x.requires_grad_()
+    elementwise.rms_norm(x, torch.ones(40), 1e-6).sum().backward()
+    assert x.grad is not None and bool(torch.isfinite(x.grad).all())

@@ -27,9 +27,9 @@ CANONICAL: dict[str, OpImplSpec] = {
             description="GEMM over rows zero-padded to a multiple of 8: each row independent of the others",
         ),
         OpImplSpec(
-            name="isoexec.rms_norm", op="rms_norm", version="1", factory=f"{_K}.elementwise:rms_norm",
-            constants={"sum": "halving tree, fp32", "gate": "x/(1+exp(-x))"},
-            description="RMSNorm with a tree-ordered fp32 sum of squares",
+            name="isoexec.rms_norm", op="rms_norm", version="2", factory=f"{_K}.elementwise:rms_norm",
+            constants={"sum": "isoexec.linear against an [8, K] matrix of ones, fp32", "gate": "x/(1+exp(-x))"},
+            description="RMSNorm whose fp32 sum of squares is a row-aligned GEMM",
         ),
         OpImplSpec(
             name="isoexec.rope", op="rope", version="1", factory=f"{_K}.elementwise:rope",
@@ -52,9 +52,9 @@ CANONICAL: dict[str, OpImplSpec] = {
             description="silu(gate) * up in fp32, rounded once",
         ),
         OpImplSpec(
-            name="isoexec.logprobs", op="logprobs", version="1", factory=f"{_K}.logprobs:logprobs",
-            constants={"dtype": "float32", "sum": "halving tree"},
-            description="fp32 log-softmax with a tree-ordered normaliser",
+            name="isoexec.logprobs", op="logprobs", version="2", factory=f"{_K}.logprobs:logprobs",
+            constants={"dtype": "float32", "kernel": "torch.log_softmax over the last dim (rows computed alone)"},
+            description="fp32 log-softmax, each row computed alone",
         ),
         OpImplSpec(
             name="isoexec.moe_router", op="moe_router", version="1", factory=f"{_K}.moe:router",

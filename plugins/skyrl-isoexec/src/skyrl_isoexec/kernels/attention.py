@@ -103,6 +103,17 @@ def attention_grads(
     return d_query.to(query.dtype), d_key.to(key.dtype), d_value.to(value.dtype)
 
 
+def _softmax_in_place(scores: torch.Tensor, hidden: torch.Tensor) -> None:
+    """The canonical softmax of ``scores`` over its last dim, in place; ``hidden`` slots get 0."""
+    top = scores.masked_fill(hidden, float("-inf")).amax(-1, keepdim=True)
+    top = top.clamp_(min=torch.finfo(torch.float32).min)  # finite for empty rows
+    # exp of the visible entries only: hidden ones are set to 0 before (exp(-inf) runs several
+    # times slower than exp of a finite value) and to exactly 0 after, as exp(-inf) would give.
+    scores.sub_(top).masked_fill_(hidden, 0.0).exp_().masked_fill_(hidden, 0.0)
+    total = tree_sum(scores)
+    scores.div_(torch.where(total > 0, total, 1.0).unsqueeze(-1))
+
+
 def canonical_forward(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor, scaling: float
 ) -> torch.Tensor:
@@ -153,22 +164,16 @@ def canonical_forward(
     # Scores: one GEMM per kv head, [rows, D] @ [D, slots]; rows a multiple of 8, slots of 64.
     scores = torch.bmm(q, k.transpose(1, 2)).view(batch, kv_heads, padded_rows, slots).mul_(scaling)
 
-    # The softmax runs on the real rows only (padding rows see no key: their weights are zeros).
-    if padded_rows != rows:
-        scores = scores[:, :, :rows]
     # Visible slots per row: rows are (rep, Tq) flattened; counts are per (B, Tq).
     row_counts = counts[:, None, :].expand(batch, rep, tq).reshape(batch, 1, rows)
     hidden = torch.arange(slots, device=scores.device)[None, None, None, :] >= row_counts[..., None]
     hidden = hidden.expand(batch, kv_heads, rows, slots).contiguous()  # (masked_fill is slow to broadcast)
-    top = scores.masked_fill(hidden, float("-inf")).amax(-1, keepdim=True)
-    top = top.clamp_(min=torch.finfo(torch.float32).min)  # finite for empty rows
-    # exp of the visible entries only: hidden ones are set to 0 before (exp(-inf) runs several
-    # times slower than exp of a finite value) and to exactly 0 after, as exp(-inf) would give.
-    weights = (scores - top).masked_fill_(hidden, 0.0).exp_().masked_fill_(hidden, 0.0)
-    total = tree_sum(weights)
-    weights = weights.div_(torch.where(total > 0, total, 1.0).unsqueeze(-1))
+    # The softmax runs in place, on the real rows only; the padding rows (they see no key) then get
+    # zero weights.
+    _softmax_in_place(scores[:, :, :rows], hidden)
     if padded_rows != rows:
-        weights = F.pad(weights, (0, 0, 0, padded_rows - rows))
+        scores[:, :, rows:] = 0.0
+    weights = scores
 
     # Weighted values: one GEMM per key block, [rows, KEY_BLOCK] @ [KEY_BLOCK, D], block partials
     # combined by a halving tree over kv_blocks (a power of two). A block past the keys would add an

@@ -2,9 +2,8 @@
 
 vLLM computes every returned logprob (sampled tokens, top-k, prompt logprobs) with
 ``Sampler.compute_logprobs(logits)`` on the raw model logits (``logprobs_mode="raw_logprobs"``),
-as a full ``[rows, vocab]`` matrix that it gathers from. ``full_log_softmax`` is that matrix with
-exactly the arithmetic of ``kernels.logprobs.logprobs`` (fp32, exact max, halving-tree sum), so
-gathering a token from it gives the trainer's ``token_logprobs`` bits (tested).
+as a full ``[rows, vocab]`` matrix that it gathers from. ``kernels.logprobs.full_log_softmax`` is
+the matrix the trainer's ``token_logprobs`` gathers from too, so the bits agree (tested).
 """
 
 from __future__ import annotations
@@ -13,18 +12,10 @@ from typing import Any, Callable
 
 import torch
 
-from skyrl_isoexec.kernels.reduce import tree_sum
+from skyrl_isoexec.kernels.logprobs import full_log_softmax
 from skyrl_isoexec.vllm import runtime
 
 _original: list[Callable[..., Any]] = []
-
-
-def full_log_softmax(logits: torch.Tensor) -> torch.Tensor:
-    """fp32 ``log_softmax`` over the last dim, computed as ``kernels.logprobs.logprobs`` does."""
-    x = logits.float()
-    shifted = x - x.amax(-1, keepdim=True)
-    total = tree_sum(torch.exp(shifted))
-    return shifted - torch.log(total).unsqueeze(-1)
 
 
 def compute_logprobs(self, logits: torch.Tensor) -> torch.Tensor:
