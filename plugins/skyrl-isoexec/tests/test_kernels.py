@@ -207,7 +207,7 @@ def test_attention_prefill_equals_decode_with_padding_and_longer_caches(dtype):
 def _attention_as_specified(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor, scaling: float
 ) -> torch.Tensor:
-    """Canonical attention exactly as its spec (version 2) states it, in its plainest form: every
+    """Canonical attention exactly as its spec (version 3) states it, in its plainest form: every
     key slot up to a power-of-two number of blocks computed, masked scores at -inf. The kernel must
     give these bits."""
     batch, heads, tq, dim = query.shape
@@ -255,10 +255,8 @@ def _attention_as_specified(
     row_counts = attention_kernel._pad_dim(row_counts, 2, padded_rows)
     seen = torch.arange(slots, device=scores.device)[None, None, None, :] < row_counts[..., None]
     scores = scores.masked_fill(~seen, float("-inf"))
-    top = scores.amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)  # finite for empty rows
-    weights = torch.exp(scores - top)
-    total = tree_sum(weights)
-    weights = weights / torch.where(total > 0, total, 1.0).unsqueeze(-1)
+    weights = torch.softmax(scores, -1)
+    weights = torch.where(seen.any(-1, keepdim=True), weights, 0.0)  # rows that see nothing: zeros
 
     # Weighted values: one GEMM per key block, [rows, attention_kernel.KEY_BLOCK] @ [attention_kernel.KEY_BLOCK, D], block partials
     # combined by a halving tree.
@@ -326,6 +324,25 @@ def test_score_gemm_property_the_attention_relies_on():
         for rows, slots, batch in ((8, 64, 1), (16, 128, 5), (64, 512, 5), (24, 192, 2)):
             whole = torch.bmm(q[:batch, :rows], k[:batch, :, :slots])[:, :8]
             assert int((bits(whole) != bits(tiles[:batch, :, :slots])).sum()) == 0, (threads, rows, slots, batch)
+
+
+def test_softmax_property_the_attention_relies_on():
+    # torch's softmax computes a row alone, and whole 64-slot blocks of -inf appended to a row
+    # (keys a query cannot see, a longer cache) leave its bits unchanged, with 1 or 2 threads.
+    before = torch.get_num_threads()
+    g = _gen(5)
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for visible in (1, 50, 64, 100, 200):
+            base_slots = -(-visible // 64) * 64
+            x = torch.randn(48, 8, base_slots, generator=g) * 4
+            x[..., visible:] = float("-inf")
+            base = torch.softmax(x, -1)
+            for extra in (64, 128, 448):
+                longer = torch.cat([x, torch.full((48, 8, extra), float("-inf"))], -1)
+                assert int((bits(torch.softmax(longer, -1)[..., :base_slots]) != bits(base)).sum()) == 0
+            assert int((bits(torch.softmax(x[5:9], -1)) != bits(base[5:9])).sum()) == 0
+    torch.set_num_threads(before)
 
 
 def test_attention_threads_and_negative_control():

@@ -37,11 +37,11 @@ CANONICAL: dict[str, OpImplSpec] = {
             description="one shared fp32 cos/sin table, built in fixed position blocks",
         ),
         OpImplSpec(
-            name="isoexec.attention", op="attention", version="2", factory=f"{_K}.attention:attention",
+            name="isoexec.attention", op="attention", version="3", factory=f"{_K}.attention:attention",
             constants={
                 "row_align": C.ATTENTION_ROW_ALIGN,
                 "key_block": C.ATTENTION_KEY_BLOCK,
-                "softmax": "fp32, exact max, halving-tree sum",
+                "softmax": "torch.softmax over key slots, fp32, masked slots -inf",
                 "combine": "one GEMM per key block, halving tree over key blocks",
             },
             description="reduces over exactly the visible keys in fixed blocks aligned at the sequence start",

@@ -9,8 +9,11 @@ anything else is refused). In that frame:
   to a multiple of 8 and the key slots to a power-of-two number of ``KEY_BLOCK`` blocks: measured
   (and tested), such a GEMM gives every (row, key) the bits it gets in an 8 x 64 GEMM, so a
   score depends only on its query and key, in fp32;
-- softmax subtracts the exact max, exponentiates, and sums with ``tree_sum`` over the key slots
-  padded to a power of two, so keys a query cannot see (masked: exact zeros) never change the sum;
+- softmax is torch's fp32 softmax over the key slots, masked slots at -inf (version 3; version 2
+  summed exponentials with ``tree_sum``). It computes each row alone, vectorised in an order fixed
+  by the row length, and appending whole 64-slot blocks of -inf leaves a row's bits unchanged:
+  measured, and asserted by ``test_kernels.py``, so keys a query cannot see never change its
+  weights; rows that see no key get zero weights;
 - the weighted sum of values is one GEMM per key block (``[rows, KEY_BLOCK] @ [KEY_BLOCK, D]``: the
   reduction length is fixed), the block partials combined by ``tree_sum``.
 
@@ -28,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from skyrl_isoexec.kernels.reduce import next_power_of_two, tree_sum
+from skyrl_isoexec.kernels.reduce import next_power_of_two
 
 from skyrl_isoexec.constants import ATTENTION_KEY_BLOCK as KEY_BLOCK
 from skyrl_isoexec.constants import ATTENTION_ROW_ALIGN as ROW_ALIGN
@@ -103,15 +106,11 @@ def attention_grads(
     return d_query.to(query.dtype), d_key.to(key.dtype), d_value.to(value.dtype)
 
 
-def _softmax_in_place(scores: torch.Tensor, hidden: torch.Tensor) -> None:
-    """The canonical softmax of ``scores`` over its last dim, in place; ``hidden`` slots get 0."""
-    top = scores.masked_fill(hidden, float("-inf")).amax(-1, keepdim=True)
-    top = top.clamp_(min=torch.finfo(torch.float32).min)  # finite for empty rows
-    # exp of the visible entries only: hidden ones are set to 0 before (exp(-inf) runs several
-    # times slower than exp of a finite value) and to exactly 0 after, as exp(-inf) would give.
-    scores.sub_(top).masked_fill_(hidden, 0.0).exp_().masked_fill_(hidden, 0.0)
-    total = tree_sum(scores)
-    scores.div_(torch.where(total > 0, total, 1.0).unsqueeze(-1))
+def softmax_over_keys(scores: torch.Tensor, hidden: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
+    """The canonical softmax of fp32 ``scores`` over key slots (a multiple of ``KEY_BLOCK``):
+    ``hidden`` slots weigh 0, and so do rows that see no key (``empty``, broadcast over slots).
+    ``scores`` is overwritten."""
+    return torch.softmax(scores.masked_fill_(hidden, float("-inf")), dim=-1).masked_fill_(empty, 0.0)
 
 
 def canonical_forward(
@@ -168,12 +167,11 @@ def canonical_forward(
     row_counts = counts[:, None, :].expand(batch, rep, tq).reshape(batch, 1, rows)
     hidden = torch.arange(slots, device=scores.device)[None, None, None, :] >= row_counts[..., None]
     hidden = hidden.expand(batch, kv_heads, rows, slots).contiguous()  # (masked_fill is slow to broadcast)
-    # The softmax runs in place, on the real rows only; the padding rows (they see no key) then get
-    # zero weights.
-    _softmax_in_place(scores[:, :, :rows], hidden)
+    # The softmax runs on the real rows only; the padding rows (they see no key) get zero weights.
+    empty = (row_counts == 0)[..., None]  # [B, 1, rows, 1]
+    weights = softmax_over_keys(scores[:, :, :rows], hidden, empty)
     if padded_rows != rows:
-        scores[:, :, rows:] = 0.0
-    weights = scores
+        weights = F.pad(weights, (0, 0, 0, padded_rows - rows))
 
     # Weighted values: one GEMM per key block, [rows, KEY_BLOCK] @ [KEY_BLOCK, D], block partials
     # combined by a halving tree over kv_blocks (a power of two). A block past the keys would add an
