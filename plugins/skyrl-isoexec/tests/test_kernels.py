@@ -468,3 +468,21 @@ def test_kernel_caches_filled_in_inference_mode_serve_autograd():
     x.requires_grad_()
     elementwise.rms_norm(x, torch.ones(40), 1e-6).sum().backward()
     assert x.grad is not None and bool(torch.isfinite(x.grad).all())
+
+
+def test_attention_reuses_a_masks_plan_only_while_the_mask_is_unchanged():
+    q, k, v = _attention_inputs(torch.float32, batch=2, steps=20)
+    visible = _causal(2, 20, 20, [0, 3])
+    first = attention_kernel.attention(q, k, v, visible, 0.3)
+    plan = attention_kernel._last_plan[0][3]
+    again = attention_kernel.attention(q, k, v, visible, 0.3)  # same mask object: same plan
+    assert attention_kernel._last_plan[0][3] is plan
+    assert int((bits(first) != bits(again)).sum()) == 0
+    visible[1, :, :, 3:6] = False  # modified in place: a new plan, and the new mask's result
+    visible[1, :, :3] = False
+    visible[1, :, :, :6] = False
+    changed = attention_kernel.attention(q, k, v, visible, 0.3)
+    assert attention_kernel._last_plan[0][3] is not plan
+    fresh = attention_kernel.attention(q, k, v, visible.clone(), 0.3)
+    assert int((bits(changed) != bits(fresh)).sum()) == 0
+    assert int((bits(changed[1]) != bits(first[1])).sum()) > 0

@@ -113,6 +113,63 @@ def softmax_over_keys(scores: torch.Tensor, hidden: torch.Tensor, empty: torch.T
     return torch.softmax(scores.masked_fill_(hidden, float("-inf")), dim=-1).masked_fill_(empty, 0.0)
 
 
+class _MaskPlan:
+    """What a mask decides for one call shape, shared by every layer of a forward (they pass the
+    same mask tensor): the key re-indexing, and which slots each query row sees."""
+
+    def __init__(self, visible: torch.Tensor, batch: int, tq: int, tk: int, rep: int, kv_heads: int, device) -> None:
+        visible = _as_visible(visible)
+        if visible.shape[1] != 1:
+            visible = visible[:, :1]  # per-head masks are identical for causal/padding masks
+        visible = visible.expand(batch, 1, tq, tk)[:, 0]  # [B, Tq, Tk]
+        start = torch.where(visible[:, -1].any(-1), visible[:, -1].float().argmax(-1), 0)  # [B]
+        counts = visible.sum(-1)  # [B, Tq]
+        self.index = None
+        if bool((start > 0).any()):
+            self.index = (torch.arange(tk, device=device)[None, :] + start[:, None]).clamp(max=tk - 1)  # [B, Tk]
+            visible = visible.gather(2, self.index[:, None, :].expand(batch, tq, tk)) & (
+                torch.arange(tk, device=device)[None, None, :] < (tk - start)[:, None, None]
+            )
+        prefix = torch.arange(tk, device=device)[None, None, :] < counts[..., None]
+        if not bool((prefix == visible).all()):
+            raise ValueError(
+                "canonical attention needs every query to see a contiguous run of keys starting at its sequence "
+                "start (causal attention with padding or a KV cache); got another mask"
+            )
+        # The definition pads keys to a power-of-two number of KEY_BLOCK blocks; only the blocks
+        # that hold keys are computed: the score GEMM's bits per (row, key) do not depend on the
+        # slot count, the softmax ignores appended masked blocks, and a missing block's partial is
+        # an exact zero in the combine.
+        self.used_blocks = -(-tk // KEY_BLOCK)
+        self.kv_blocks = next_power_of_two(self.used_blocks)
+        self.slots = self.used_blocks * KEY_BLOCK
+        self.rows = rep * tq
+        self.padded_rows = -(-self.rows // ROW_ALIGN) * ROW_ALIGN
+        # Visible slots per row: rows are (rep, Tq) flattened; counts are per (B, Tq).
+        row_counts = counts[:, None, :].expand(batch, rep, tq).reshape(batch, 1, self.rows)
+        hidden = torch.arange(self.slots, device=device)[None, None, None, :] >= row_counts[..., None]
+        self.hidden = hidden.expand(batch, kv_heads, self.rows, self.slots).contiguous()  # (masked_fill is slow to broadcast)
+        self.empty = (row_counts == 0)[..., None]  # [B, 1, rows, 1]
+
+
+# The last small plan, with the mask it was made from (held, so its id cannot be reused) and the
+# mask's version (inference tensors have none: callers do not modify a mask between layers). Large
+# plans (long training sequences) are not kept past their call.
+_last_plan: list[tuple | None] = [None]
+_CACHED_PLAN_SLOTS = 1 << 22
+
+
+def _mask_plan(visible: torch.Tensor, batch: int, tq: int, tk: int, rep: int, kv_heads: int, device) -> _MaskPlan:
+    shape = (batch, tq, tk, rep, kv_heads, str(device))
+    version = None if visible.is_inference() else visible._version
+    last = _last_plan[0]
+    if last is not None and last[0] is visible and last[1] == version and last[2] == shape:
+        return last[3]
+    plan = _MaskPlan(visible, batch, tq, tk, rep, kv_heads, device)
+    _last_plan[0] = (visible, version, shape, plan) if plan.hidden.numel() <= _CACHED_PLAN_SLOTS else None
+    return plan
+
+
 def canonical_forward(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor, scaling: float
 ) -> torch.Tensor:
@@ -122,39 +179,14 @@ def canonical_forward(
     if heads % kv_heads:
         raise ValueError(f"canonical attention: {heads} query heads are not a multiple of {kv_heads} kv heads")
     rep = heads // kv_heads
-    visible = _as_visible(visible)
-    if visible.shape[1] != 1:
-        visible = visible[:, :1]  # per-head masks are identical for causal/padding masks
-    visible = visible.expand(batch, 1, tq, tk)[:, 0]  # [B, Tq, Tk]
-
-    # Re-index keys so that key 0 is the first key the last query sees.
-    start = torch.where(visible[:, -1].any(-1), visible[:, -1].float().argmax(-1), 0)  # [B]
-    counts = visible.sum(-1)  # [B, Tq]
-    if bool((start > 0).any()):
-        index = (torch.arange(tk, device=key.device)[None, :] + start[:, None]).clamp(max=tk - 1)  # [B, Tk]
-        gather = index[:, None, :, None].expand(batch, kv_heads, tk, dim)
+    plan = _mask_plan(visible, batch, tq, tk, rep, kv_heads, key.device)
+    if plan.index is not None:  # re-index keys so that key 0 is the first key the last query sees
+        gather = plan.index[:, None, :, None].expand(batch, kv_heads, tk, dim)
         key = key.gather(2, gather)
         value = value.gather(2, gather)
-        visible = visible.gather(2, index[:, None, :].expand(batch, tq, tk)) & (
-            torch.arange(tk, device=key.device)[None, None, :] < (tk - start)[:, None, None]
-        )
-    prefix = torch.arange(tk, device=key.device)[None, None, :] < counts[..., None]
-    if not bool((prefix == visible).all()):
-        raise ValueError(
-            "canonical attention needs every query to see a contiguous run of keys starting at its sequence start "
-            "(causal attention with padding or a KV cache); got another mask"
-        )
-
-    # The definition pads keys to a power-of-two number of KEY_BLOCK blocks; only the blocks that hold
-    # keys are computed: the score GEMM's bits per (row, key) do not depend on the slot count, the
-    # softmax sum (``tree_sum``) pads with the same zeros itself, and a missing block's partial is
-    # an exact zero in the combine (see below).
-    used_blocks = -(-tk // KEY_BLOCK)
-    kv_blocks = next_power_of_two(used_blocks)
-    slots = used_blocks * KEY_BLOCK
+    used_blocks, kv_blocks, slots = plan.used_blocks, plan.kv_blocks, plan.slots
+    rows, padded_rows = plan.rows, plan.padded_rows
     # Query rows per kv head: [B*Hkv, rows, D], rows padded to a multiple of ROW_ALIGN.
-    rows = rep * tq
-    padded_rows = -(-rows // ROW_ALIGN) * ROW_ALIGN
     q = _pad_dim(query.float().reshape(batch * kv_heads, rows, dim), 1, padded_rows)
     # Contiguous copies: a strided view (a KV cache read in place) runs the batched products slower.
     k = _pad_dim(key.float().reshape(batch * kv_heads, tk, dim).contiguous(), 1, slots)
@@ -163,13 +195,8 @@ def canonical_forward(
     # Scores: one GEMM per kv head, [rows, D] @ [D, slots]; rows a multiple of 8, slots of 64.
     scores = torch.bmm(q, k.transpose(1, 2)).view(batch, kv_heads, padded_rows, slots).mul_(scaling)
 
-    # Visible slots per row: rows are (rep, Tq) flattened; counts are per (B, Tq).
-    row_counts = counts[:, None, :].expand(batch, rep, tq).reshape(batch, 1, rows)
-    hidden = torch.arange(slots, device=scores.device)[None, None, None, :] >= row_counts[..., None]
-    hidden = hidden.expand(batch, kv_heads, rows, slots).contiguous()  # (masked_fill is slow to broadcast)
     # The softmax runs on the real rows only; the padding rows (they see no key) get zero weights.
-    empty = (row_counts == 0)[..., None]  # [B, 1, rows, 1]
-    weights = softmax_over_keys(scores[:, :, :rows], hidden, empty)
+    weights = softmax_over_keys(scores[:, :, :rows], plan.hidden, plan.empty)
     if padded_rows != rows:
         weights = F.pad(weights, (0, 0, 0, padded_rows - rows))
 
