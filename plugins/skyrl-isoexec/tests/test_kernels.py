@@ -95,10 +95,11 @@ def test_linear_gradient_is_the_ordinary_one():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_and_silu_mul_rows(dtype):
-    x = torch.randn(60, 96, generator=_gen()).to(dtype)
-    w = (torch.randn(96, generator=_gen(1)) * 0.1 + 1).to(dtype)
-    g = torch.randn(60, 96, generator=_gen(2)).to(dtype)
+@pytest.mark.parametrize("width", [64, 96, 576, 2048])
+def test_rms_norm_and_silu_mul_rows(dtype, width):
+    x = torch.randn(60, width, generator=_gen()).to(dtype)
+    w = (torch.randn(width, generator=_gen(1)) * 0.1 + 1).to(dtype)
+    g = torch.randn(60, width, generator=_gen(2)).to(dtype)
     before = torch.get_num_threads()
     for threads in (1, 2):
         torch.set_num_threads(threads)
@@ -111,6 +112,12 @@ def test_rms_norm_and_silu_mul_rows(dtype):
     torch.set_num_threads(before)
     assert _sliced_mismatch(lambda s: elementwise.rms_norm(x[s], w, 1e-6, gate=g[s]), 60) == 0
     assert _sliced_mismatch(lambda s: elementwise.silu_mul(g[s], x[s]), 60) == 0
+    big = torch.randn(1280, width, generator=_gen(3)).to(dtype)  # a training batch's rows, 2 threads
+    torch.set_num_threads(2)
+    whole = elementwise.rms_norm(big, w, 1e-6)
+    torch.set_num_threads(1)
+    assert int((bits(whole[40:52]) != bits(elementwise.rms_norm(big[40:52], w, 1e-6))).sum()) == 0
+    torch.set_num_threads(before)
 
 
 def test_elementwise_gates_are_layout_independent_where_stock_is_not():
@@ -314,16 +321,28 @@ def test_attention_gradient_is_the_ordinary_one_and_grad_mode_keeps_the_forward_
 
 
 def test_score_gemm_property_the_attention_relies_on():
-    """[rows, D] @ [D, slots] with rows a multiple of 8 and slots of 64 gives every (row, key) the
-    bits of an 8 x 64 GEMM, for any batch count and 1 or 2 threads."""
+    """[rows, D] @ [D, slots] with rows a multiple of 4 (the kernel's QUERY_ROW_PAD) and slots of 64
+    gives every (row, key) the bits of an 8 x 64 GEMM, for any batch count and 1 or 2 threads; so
+    does the values product [rows, 64] @ [64, D]. Fewer than 4 rows would not (control)."""
     g = _gen()
-    q, k = torch.randn(5, 64, 64, generator=g), torch.randn(5, 64, 512, generator=g)
-    for threads in (1, 2):
-        torch.set_num_threads(threads)
-        tiles = torch.cat([torch.bmm(q[:, :8], k[:, :, j : j + 64]) for j in range(0, 512, 64)], dim=-1)
-        for rows, slots, batch in ((8, 64, 1), (16, 128, 5), (64, 512, 5), (24, 192, 2)):
-            whole = torch.bmm(q[:batch, :rows], k[:batch, :, :slots])[:, :8]
-            assert int((bits(whole) != bits(tiles[:batch, :, :slots])).sum()) == 0, (threads, rows, slots, batch)
+    before = torch.get_num_threads()
+    assert attention_kernel.QUERY_ROW_PAD == 4
+    for dim in (64, 128):
+        q, k = torch.randn(5, 64, dim, generator=g), torch.randn(5, dim, 512, generator=g)
+        w, v = torch.rand(5, 64, 64, generator=g), torch.randn(5, 64, dim, generator=g)
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            tiles = torch.cat([torch.bmm(q[:, :8], k[:, :, j : j + 64]) for j in range(0, 512, 64)], dim=-1)
+            tiles_v = torch.bmm(w[:, :8], v)
+            for rows, slots, batch in ((4, 64, 1), (8, 64, 1), (12, 128, 5), (16, 128, 5), (64, 512, 5), (24, 192, 2)):
+                whole = torch.bmm(q[:batch, :rows], k[:batch, :, :slots])[:, : min(rows, 8)]
+                want = tiles[:batch, : min(rows, 8), :slots]
+                assert int((bits(whole) != bits(want)).sum()) == 0, (threads, rows, slots, batch)
+                whole_v = torch.bmm(w[:batch, :rows], v[:batch])[:, : min(rows, 8)]
+                assert int((bits(whole_v) != bits(tiles_v[:batch, : min(rows, 8)])).sum()) == 0, (threads, rows)
+            three = torch.bmm(q[:, :3], k[:, :, :64])
+            assert int((bits(three) != bits(tiles[:, :3, :64])).sum()) > 0  # why rows are padded at all
+    torch.set_num_threads(before)
 
 
 def test_softmax_property_the_attention_relies_on():

@@ -28,7 +28,7 @@ CANONICAL: dict[str, OpImplSpec] = {
         ),
         OpImplSpec(
             name="isoexec.rms_norm", op="rms_norm", version="2", factory=f"{_K}.elementwise:rms_norm",
-            constants={"sum": "isoexec.linear against an [8, K] matrix of ones, fp32", "gate": "x/(1+exp(-x))"},
+            constants={"sum": "torch.mm of rows padded to 8 against an [8, K] matrix of ones, fp32", "gate": "x/(1+exp(-x))"},
             description="RMSNorm whose fp32 sum of squares is a row-aligned GEMM",
         ),
         OpImplSpec(

@@ -36,6 +36,12 @@ from skyrl_isoexec.kernels.reduce import next_power_of_two
 from skyrl_isoexec.constants import ATTENTION_KEY_BLOCK as KEY_BLOCK
 from skyrl_isoexec.constants import ATTENTION_ROW_ALIGN as ROW_ALIGN
 
+# Query rows are padded to a multiple of this for the GEMMs. The definition is the bits of 8-row
+# GEMMs (ROW_ALIGN); torch.bmm gives every row of any multiple of 4 rows those same bits (measured,
+# asserted by ``test_score_gemm_property_the_attention_relies_on``), and a decode step's 3 or 4
+# query rows per kv head then pay for 4 rows, not 8.
+QUERY_ROW_PAD = 4
+
 
 def _as_visible(mask: torch.Tensor) -> torch.Tensor:
     if mask.dtype == torch.bool:
@@ -144,7 +150,7 @@ class _MaskPlan:
         self.kv_blocks = next_power_of_two(self.used_blocks)
         self.slots = self.used_blocks * KEY_BLOCK
         self.rows = rep * tq
-        self.padded_rows = -(-self.rows // ROW_ALIGN) * ROW_ALIGN
+        self.padded_rows = -(-self.rows // QUERY_ROW_PAD) * QUERY_ROW_PAD
         # Visible slots per row: rows are (rep, Tq) flattened; counts are per (B, Tq).
         row_counts = counts[:, None, :].expand(batch, rep, tq).reshape(batch, 1, self.rows)
         hidden = torch.arange(self.slots, device=device)[None, None, None, :] >= row_counts[..., None]
@@ -186,7 +192,7 @@ def canonical_forward(
         value = value.gather(2, gather)
     used_blocks, kv_blocks, slots = plan.used_blocks, plan.kv_blocks, plan.slots
     rows, padded_rows = plan.rows, plan.padded_rows
-    # Query rows per kv head: [B*Hkv, rows, D], rows padded to a multiple of ROW_ALIGN.
+    # Query rows per kv head: [B*Hkv, rows, D], rows padded to a multiple of QUERY_ROW_PAD.
     q = _pad_dim(query.float().reshape(batch * kv_heads, rows, dim), 1, padded_rows)
     # Contiguous copies: a strided view (a KV cache read in place) runs the batched products slower.
     k = _pad_dim(key.float().reshape(batch * kv_heads, tk, dim).contiguous(), 1, slots)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from skyrl_isoexec.kernels.linear import linear
+from skyrl_isoexec.constants import LINEAR_ROW_ALIGN
 from skyrl_isoexec.kernels.reduce import silu
 
 ROPE_TABLE_BLOCK = 256  # positions per cos/sin table block: one shape for every block
@@ -19,7 +19,7 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor, padding_idx: int | None =
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False, gate: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """RMSNorm over the last dim; the fp32 sum of squares is a canonical GEMM against ones.
+    """RMSNorm over the last dim; the fp32 sum of squares is a row-aligned GEMM against ones.
 
     Rounding points follow transformers: plain norms scale the normalised value *after* casting to
     the input dtype (``weight * y.to(dtype)``); ``unit_offset`` norms (Qwen3-Next) scale by
@@ -40,17 +40,24 @@ _ones: dict[tuple, torch.Tensor] = {}
 
 
 def sum_of_squares(xf: torch.Tensor) -> torch.Tensor:
-    """``(xf * xf).sum(-1)`` for fp32 ``xf`` as one row-aligned GEMM (``kernels.linear``) against a
-    ``[8, K]`` matrix of ones: a row's sum depends only on that row, whatever the batch or the thread
-    count (the GEMM's asserted row property), in one kernel instead of a halving tree's log2(K)
-    steps. Differentiable (the GEMM has the ordinary backward)."""
+    """``(xf * xf).sum(-1)`` for fp32 ``xf`` as one GEMM (``torch.mm``: MKL on CPU) of the rows,
+    zero-padded to a multiple of 8, against an ``[8, K]`` matrix of ones: a row's sum then depends
+    only on that row, whatever the batch or the thread count (the row property of ``kernels.linear``,
+    asserted for this kernel by ``test_kernels.py``), in one kernel instead of a halving tree's
+    log2(K) steps. MKL rather than oneDNN: for these thin products its call costs a third.
+    Differentiable."""
     k = xf.shape[-1]
     key = (k, str(xf.device))
     ones = _ones.get(key)
     if ones is None:
         with torch.inference_mode(False):  # a normal tensor: an engine's cache may serve a trainer
             ones = _ones[key] = torch.ones(8, k, dtype=torch.float32, device=xf.device)
-    return linear(xf * xf, ones)[..., 0]
+    squares = (xf * xf).reshape(-1, k)
+    rows = squares.shape[0]
+    padded = max(LINEAR_ROW_ALIGN, -(-rows // LINEAR_ROW_ALIGN) * LINEAR_ROW_ALIGN)
+    if padded != rows:
+        squares = F.pad(squares, (0, 0, 0, padded - rows))
+    return torch.mm(squares, ones.t())[:rows, 0].view(xf.shape[:-1])
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
