@@ -60,3 +60,13 @@ def test_negative_control_stock_walk_and_stock_modules_differ():
     # Same tokens are likely, same bits are not: the stock walk fuses and reorders arithmetic.
     n = min(len(_logprob_bits(a)), len(_logprob_bits(b)))
     assert int((_logprob_bits(a)[:n] != _logprob_bits(b)[:n]).sum()) > 0
+
+
+def test_a_debugging_tap_runs_the_patched_modules_with_the_same_bits():
+    walk, _ = _engines("qwen3", "float32", on=True)
+    plain = _generate(walk, True)
+    seen: list[str] = []
+    walk.model._skyrl_dispatch.tap = lambda op, module, out: seen.append(op)  # per-op digests see the modules
+    tapped = _generate(walk, True)
+    assert {"linear", "attention", "rms_norm", "silu_mul"} <= set(seen)
+    assert int((_logprob_bits(plain) != _logprob_bits(tapped)).sum()) == 0
