@@ -163,6 +163,32 @@ def test_attestation_reports_what_ran_at_each_site_and_the_handshake_agrees(trai
         assert any("attention @ trainer_forward vs engine_prefill" in p for p in problems), problems
 
 
+def test_merged_projections_run_as_one_gemm_each(engine_on, monkeypatch):
+    """vLLM's merged q/k/v and gate/up weights run as one canonical GEMM per call (the canonical
+    linear's columns are independent); the attestation names them with their logical pieces, and
+    the rollout tests above prove those GEMMs give the trainer's bits."""
+    from skyrl_isoexec.kernels import linear as kernel
+
+    model = engine_on.execution_contract()["ledger"]["model"]
+    # Qwen3 preset: 4 q heads and 2 kv heads of 32 channels, intermediate size 128, 2 layers.
+    assert model["fused_linear"] == {
+        **{f"model.layers.{i}.self_attn.qkv_proj": [128, 64, 64] for i in range(2)},
+        **{f"model.layers.{i}.mlp.gate_up_proj": [128, 128] for i in range(2)},
+    }
+
+    def linear_calls() -> int:
+        ledger = engine_on.execution_contract()["ledger"]
+        return sum(ledger[f"linear@{site}"]["calls"].get("isoexec.linear", 0) for site in ("engine_prefill", "engine_decode"))
+
+    gemms = []
+    kernel_linear = kernel.linear
+    monkeypatch.setattr(kernel, "linear", lambda *args: gemms.append(1) or kernel_linear(*args))
+    before = linear_calls()
+    _generate(engine_on, seed=6, batches=1)
+    # One GEMM per linear call, merged layers included (split pieces would make it 7 per 4 calls).
+    assert len(gemms) == linear_calls() - before > 0
+
+
 def test_weight_update_in_place_keeps_the_bits(trainer_on, engine_on):
     samples = _generate(engine_on, seed=4, batches=1)
     before = trainer_on.forward(training_batch(samples))

@@ -107,6 +107,7 @@ def _wrap_load_model(original: Callable[..., Any]) -> Callable[..., Any]:
                 patched_modules=patched,
                 unpatched=[],
                 installed=dict(_installed),
+                fused_linear=linear.fused_layers(self.model),
             )
             self.model._skyrl_op_ledger = ledger
         return result

@@ -6,10 +6,14 @@ of each unquantized method (``install`` / ``uninstall``):
 - ``process_weights_after_loading``: on CPU vLLM prepacks each weight for oneDNN and leaves an
   empty ``weight`` Parameter. A layer built with IsoExec on keeps its plain ``[N, K]`` weight
   (so in-place weight reloads keep working too) and is marked canonical.
-- ``apply``: a canonical layer computes ``kernels.linear.linear`` once per *logical* projection:
-  vLLM merges q/k/v (and gate/up) into one weight, the trainer's transformers model runs separate
-  GEMMs, so the merged weight is split by ``output_partition_sizes`` and each piece computed alone
-  (its columns then have exactly the trainer's GEMM shape), then concatenated.
+- ``apply``: a canonical layer computes ``kernels.linear.linear`` once, merged q/k/v (and gate/up)
+  weights included. The trainer's transformers model runs one GEMM per logical projection, but the
+  canonical linear declares ``columns_independent``: each output column gets the bits of its own
+  weight row alone, whatever rows are stacked with it (asserted by
+  ``test_linear_columns_are_independent_of_the_other_columns``), so one GEMM over vLLM's merged
+  weight gives every column the trainer's bits. A linear without that declaration gets the merged
+  weight split by ``output_partition_sizes``, one GEMM per piece. Which layers ran fused is in
+  the ledger (``model.fused_linear``, from ``fused_layers``).
 
 The lm_head (``UnquantizedEmbeddingMethod.apply``) computes the ``org_vocab_size`` real rows only,
 as the trainer's ``lm_head`` does (vLLM pads the vocabulary; the padding is cut afterwards).
@@ -58,7 +62,8 @@ def linear_process_weights_after_loading(self, layer: torch.nn.Module) -> None:
     if not _built_canonical(layer):
         return _originals[(_LINEAR, "process_weights_after_loading")](self, layer)
     _check_dtype(layer)
-    layer._isoexec_pieces = _linear_pieces(layer)
+    layer._isoexec_pieces = pieces = _linear_pieces(layer)
+    layer._isoexec_fused = len(pieces) > 1 and bool(getattr(canonical.linear, "columns_independent", False))
 
 
 def linear_apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -67,7 +72,7 @@ def linear_apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tens
         return _originals[(_LINEAR, "apply")](self, layer, x, bias)
     runtime.observe("linear", layer)
     weight = layer.weight
-    if len(pieces) == 1:
+    if len(pieces) == 1 or layer._isoexec_fused:
         return canonical.linear(x, weight, bias)
     outputs, start = [], 0
     for rows in pieces:
@@ -75,6 +80,15 @@ def linear_apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tens
         outputs.append(canonical.linear(x, weight.narrow(0, start, rows), piece_bias))
         start += rows
     return torch.cat(outputs, dim=-1)
+
+
+def fused_layers(model: torch.nn.Module) -> dict[str, list[int]]:
+    """Canonical merged linears of ``model`` that run as one GEMM: name -> logical piece widths."""
+    return {
+        getattr(module, "_isoexec_name", name): list(module._isoexec_pieces)
+        for name, module in model.named_modules()
+        if getattr(module, "_isoexec_fused", False)
+    }
 
 
 def embedding_process_weights_after_loading(self, layer: torch.nn.Module) -> None:
