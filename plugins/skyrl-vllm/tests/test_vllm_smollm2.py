@@ -13,10 +13,13 @@ from vllm_test_helpers import requires_vllm_cpu
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, requires_vllm_cpu]
 
-# Stock vLLM-CPU vs a transformers fp32 full forward over 30 layers: measured up to 1.03e-5 (most
-# tokens 1e-6..9e-6; the first, prefill-only token ~1e-6). The tiny-Qwen3 contract suite holds
-# 1e-5; exact equality is IsoExec's job, not stock vLLM's.
+# Stock vLLM-CPU vs a transformers fp32 full forward over 30 layers: two stacks of fp32 kernels (vLLM's
+# oneDNN GEMMs and C++ attention/norm kernels vs MKL and SDPA) agree to a mean |dlogp| of 4.7e-6 to
+# 5.3e-6 over 315 sampled tokens, max 2.1e-5 to 4.4e-5 (measured; the max grows with the number of
+# tokens compared). The tiny-Qwen3 contract suite holds 1e-5 per token; exact equality is IsoExec's
+# job (0 differing bits, plugins/skyrl-isoexec/tests/vllm), not stock vLLM's.
 LOGPROB_ATOL = 2e-5
+MEAN_ATOL = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -52,12 +55,15 @@ def prompts(smollm2):
 
 def test_greedy_tokens_and_logprobs_match_transformers(engine, reference, prompts):
     out = engine.generate([request(p, str(i), max_tokens=12, temperature=0.0) for i, p in enumerate(prompts)])
+    diffs = []
     for p, (sample,) in zip(prompts, out):
         assert list(sample.token_ids) == argmax_decode(reference, p, 12)[: len(sample.token_ids)]
         assert len(sample.token_ids) == 12 or sample.stop_reason == "stop"
         expected = full_forward_logprobs(reference, p, sample.token_ids)
-        assert (torch.tensor(sample.logprobs) - expected).abs().max().item() <= LOGPROB_ATOL
+        diffs.append((torch.tensor(sample.logprobs) - expected).abs())
+        assert diffs[-1].max().item() <= LOGPROB_ATOL
         assert sample.text.strip()  # a real tokenizer detokenises to real text
+    assert torch.cat(diffs).mean().item() <= MEAN_ATOL
 
 
 def test_sampled_logprobs_match_transformers_and_seeds_repeat(engine, reference, prompts):
