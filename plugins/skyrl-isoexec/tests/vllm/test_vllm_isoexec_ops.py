@@ -106,8 +106,10 @@ def test_full_log_softmax_gathers_to_the_trainers_token_logprobs(dtype):
     assert int((bits(stock) != bits(want)).sum()) > 0
 
 
-def _paged(lengths, kv_heads, dim, block_size, dtype, seed):
-    """Keys/values of each sequence, and a KV cache holding them in shuffled blocks via ``write_kv``."""
+def _paged(lengths, kv_heads, dim, block_size, dtype, seed, kv_seed=None):
+    """Keys/values of each sequence, and a KV cache holding them in shuffled blocks via ``write_kv``
+    (block order from ``seed``, contents from ``kv_seed``: two layers of one model share the order)."""
+    kv_seed = seed if kv_seed is None else kv_seed
     from skyrl_isoexec.vllm.attention import write_kv
 
     blocks_each = [-(-n // block_size) for n in lengths]
@@ -118,8 +120,8 @@ def _paged(lengths, kv_heads, dim, block_size, dtype, seed):
         table = order[used : used + blocks_each[i]]
         used += blocks_each[i]
         tables.append(F.pad(table, (0, max(blocks_each) - len(table))))
-        k = torch.randn(n, kv_heads, dim, generator=_gen(seed + 10 + i)).to(dtype)
-        v = torch.randn(n, kv_heads, dim, generator=_gen(seed + 20 + i)).to(dtype)
+        k = torch.randn(n, kv_heads, dim, generator=_gen(kv_seed + 10 + i)).to(dtype)
+        v = torch.randn(n, kv_heads, dim, generator=_gen(kv_seed + 20 + i)).to(dtype)
         slots = table[torch.arange(n) // block_size] * block_size + torch.arange(n) % block_size
         write_kv(cache, k, v, slots)
         keys.append(k)
@@ -127,16 +129,11 @@ def _paged(lengths, kv_heads, dim, block_size, dtype, seed):
     return cache, torch.stack(tables), keys, values
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_attention_matches_the_trainers_padded_full_forward(dtype):
-    from skyrl_isoexec.vllm.attention import IsoExecAttentionMetadata, attend
-
-    heads, kv_heads, dim, block_size, scale = 4, 2, 32, 32, 32**-0.5
-    lengths = [5, 70, 33]
-    cache, tables, keys, values = _paged(lengths, kv_heads, dim, block_size, dtype, seed=0)
-    queries = [torch.randn(n, heads, dim, generator=_gen(40 + i)).to(dtype) for i, n in enumerate(lengths)]
-
-    # Trainer: one left-padded batch, causal + padding mask, [B, H, T, D].
+def _trainer_attention(queries, keys, values, scale):
+    """What the trainer computes for these sequences: one left-padded batch, causal + padding mask,
+    through the canonical kernel; per sequence ``[T, H, D]``."""
+    lengths = [len(x) for x in queries]
+    (heads, dim), kv_heads, dtype = queries[0].shape[1:], keys[0].shape[1], queries[0].dtype
     width = max(lengths)
     q = torch.zeros(len(lengths), heads, width, dim, dtype=dtype)
     k = torch.zeros(len(lengths), kv_heads, width, dim, dtype=dtype)
@@ -149,24 +146,51 @@ def test_paged_attention_matches_the_trainers_padded_full_forward(dtype):
         real[i, width - n :] = True
     visible = (torch.ones(width, width, dtype=torch.bool).tril()[None] & real[:, None, :])[:, None]
     full = canonical_attention.attention(q, k, v, visible, scale)  # [B, T, H, D]
-    want = [full[i, width - n :] for i, n in enumerate(lengths)]
+    return [full[i, width - n :] for i, n in enumerate(lengths)]
+
+
+def _vllm_step(caches, tables, queries, query_counts, scale):
+    """One vLLM step over one or more layers (``caches``, one metadata object for all, as vLLM
+    passes it): request i computes its last ``query_counts[i]`` tokens; per layer, per request."""
+    from skyrl_isoexec.vllm.attention import IsoExecAttentionMetadata, attend
+
+    lengths = [len(x) for x in queries]
+    starts = torch.tensor([0, *torch.tensor(query_counts).cumsum(0).tolist()])
+    query = torch.cat([queries[i][n - c :] for i, (n, c) in enumerate(zip(lengths, query_counts))])
+    meta = IsoExecAttentionMetadata(
+        num_actual_tokens=int(starts[-1]), num_reqs=len(lengths), max_query_len=max(query_counts),
+        max_seq_len=max(lengths), query_start_loc=starts, seq_lens=torch.tensor(lengths),
+        block_table=tables, slot_mapping=torch.zeros(0, dtype=torch.long),
+    )
+    layers = []
+    for cache in caches:
+        out = torch.full((len(query) + 3, *query.shape[1:]), float("nan"), dtype=query.dtype)  # vLLM pads
+        attend(query, cache, meta, scale, out)
+        layers.append([out[starts[i] : starts[i + 1]] for i in range(len(lengths))])
+    return layers
+
+
+# (heads, kv_heads, head dim, block size, lengths): 3 query rows per kv head (SmolLM2's 9/3 heads,
+# padded to 8 rows) with vLLM-CPU's 128-slot blocks, and requests spanning several blocks and 3
+# key blocks (the combine's power-of-two padding).
+SHAPES = [(4, 2, 32, 32, [5, 70, 33]), (9, 3, 64, 128, [40, 39, 72, 1]), (8, 2, 32, 16, [150, 7, 129])]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}h{s[1]}kv-block{s[3]}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_matches_the_trainers_padded_full_forward(dtype, shape):
+    heads, kv_heads, dim, block_size, lengths = shape
+    scale = dim**-0.5
+    cache, tables, keys, values = _paged(lengths, kv_heads, dim, block_size, dtype, seed=0)
+    queries = [torch.randn(n, heads, dim, generator=_gen(40 + i)).to(dtype) for i, n in enumerate(lengths)]
+    want = _trainer_attention(queries, keys, values, scale)
 
     def step(query_counts):
-        """One vLLM step: request i computes its last ``query_counts[i]`` tokens against the cache."""
-        starts = torch.tensor([0, *torch.tensor(query_counts).cumsum(0).tolist()])
-        query = torch.cat([queries[i][n - c :] for i, (n, c) in enumerate(zip(lengths, query_counts))])
-        meta = IsoExecAttentionMetadata(
-            num_actual_tokens=int(starts[-1]), num_reqs=len(lengths), max_query_len=max(query_counts),
-            max_seq_len=max(lengths), query_start_loc=starts, seq_lens=torch.tensor(lengths),
-            block_table=tables, slot_mapping=torch.zeros(0, dtype=torch.long),
-        )
-        out = torch.empty_like(query)
-        attend(query, cache, meta, scale, out)
-        return [out[starts[i] : starts[i + 1]] for i in range(len(lengths))]
+        return _vllm_step([cache], tables, queries, query_counts, scale)[0]
 
     prefill = step(lengths)  # every token at once
-    decode = step([1, 1, 1])  # the last token of each, as a decode step
-    chunk = step([2, 17, 1])  # chunked prefill / cached prefix
+    decode = step([1] * len(lengths))  # the last token of each, as a decode step
+    chunk = step([min(n, c) for n, c in zip(lengths, (2, 17, 1, 1))])  # chunked prefill / cached prefix
     for i, n in enumerate(lengths):
         assert int((bits(prefill[i]) != bits(want[i])).sum()) == 0
         assert int((bits(decode[i]) != bits(want[i][-1:])).sum()) == 0
@@ -180,3 +204,19 @@ def test_paged_attention_matches_the_trainers_padded_full_forward(dtype):
         for i in range(len(lengths))
     ]
     assert sum(int((bits(s) != bits(w)).sum()) for s, w in zip(sdpa, want)) > 0
+
+
+def test_paged_attention_layers_of_a_step_share_its_plan_not_their_caches():
+    # vLLM passes one metadata object to every layer of a step; the index work IsoExec derives from
+    # it is done once, but each layer reads its own cache.
+    heads, kv_heads, dim, block_size, lengths = SHAPES[1]
+    scale = dim**-0.5
+    first, tables, keys1, values1 = _paged(lengths, kv_heads, dim, block_size, torch.float32, seed=0)
+    second, _, keys2, values2 = _paged(lengths, kv_heads, dim, block_size, torch.float32, seed=0, kv_seed=7)
+    queries = [torch.randn(n, heads, dim, generator=_gen(40 + i)) for i, n in enumerate(lengths)]
+    for counts in ([1] * len(lengths), lengths):
+        got1, got2 = _vllm_step([first, second], tables, queries, counts, scale)
+        for got, keys, values in ((got1, keys1, values1), (got2, keys2, values2)):
+            want = _trainer_attention(queries, keys, values, scale)
+            assert sum(int((bits(g) != bits(w[-len(g) :])).sum()) for g, w in zip(got, want)) == 0
+        assert sum(int((bits(a) != bits(b)).sum()) for a, b in zip(got1, got2)) > 0  # the caches do differ

@@ -7,20 +7,24 @@ reductions differ from the trainer's. ``IsoExecCPUBackend`` replaces ``CPU_ATTN`
 - write (``do_kv_cache_update``): vLLM's per-layer cache ``[blocks, kv_heads, block_size, 2 * D]``
   is used as one row per (slot, kv head), ``[blocks * block_size * kv_heads, 2 * D]``: kv head
   ``h`` of token ``t`` goes to row ``slot_mapping[t] * kv_heads + h`` (key, then value);
-- read (``forward``): every request's keys and values are gathered in one ``index_select``
-  through its block table into ``[requests, kv_heads, keys, 2 * D]`` (values zeroed past its
-  length) and all requests of the step go through one call of the canonical kernel, query ``i``
-  of a request seeing keys ``[0, start + i]``.
+- read (``forward``, ``attend``): every request's keys and values are gathered in one
+  ``index_select`` through its block table into ``[requests * kv_heads, keys, 2 * D]``, and all
+  requests of the step are computed at once with the arithmetic of the canonical kernel
+  (``kernels.attention``: score GEMM over query rows padded to 8 and 64-key blocks, its softmax,
+  one value GEMM per key block, halving-tree combine), query ``i`` of a request seeing keys
+  ``[0, start + i]``. Cache positions need no re-indexing, so the kernel's generic mask handling
+  is skipped, and what the layers of a step share is derived once from its metadata.
 
 The canonical kernel reduces over exactly the visible keys in fixed blocks aligned at the
 sequence start, so a token's output is the same whether it was computed in a prefill, a chunk of
-one, a decode step, with a cached prefix, or in the trainer's full forward over a padded batch.
+one, a decode step, with a cached prefix, or in the trainer's full forward over a padded batch
+(``test_vllm_isoexec_ops.py`` compares ``attend`` with the kernel on the trainer's batch).
 The metadata builder also names the step's ledger and site (``runtime.begin_step``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from vllm.v1.attention.backend import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, MultipleOf
@@ -32,6 +36,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from skyrl_isoexec.kernels import attention as canonical
+from skyrl_isoexec.kernels.reduce import next_power_of_two
 from skyrl_isoexec.vllm import runtime
 
 BACKEND_PATH = "skyrl_isoexec.vllm.attention.IsoExecCPUBackend"
@@ -48,6 +53,7 @@ class IsoExecAttentionMetadata:
     seq_lens: torch.Tensor  # [reqs]
     block_table: torch.Tensor  # [reqs, max_blocks]
     slot_mapping: torch.Tensor  # [tokens]
+    plans: dict = field(default_factory=dict, repr=False)  # per step, shared by its layers (_step_plan)
 
 
 def build_metadata(common, ledger) -> IsoExecAttentionMetadata:
@@ -88,50 +94,110 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slo
     _entry_rows(kv_cache).index_copy_(0, rows.reshape(-1), entries.reshape(-1, entries.shape[-1]).to(kv_cache.dtype))
 
 
-def attend(
-    query: torch.Tensor, kv_cache: torch.Tensor, meta: IsoExecAttentionMetadata, scale: float, output: torch.Tensor
-) -> None:
-    """Canonical attention of the step's ``query`` ``[T, H, D]`` into ``output`` ``[T, H, D]``."""
-    tokens, reqs = meta.num_actual_tokens, meta.num_reqs
-    if tokens == 0 or reqs == 0:
-        return
-    device = query.device
-    _, kv_heads, block_size, width = kv_cache.shape
-    heads, dim = query.shape[1], query.shape[-1]
+@dataclass
+class _StepPlan:
+    """What every attention layer of one step shares (built by its first layer): where each
+    request's keys are, where each query row goes, which keys each row sees."""
+
+    kv_rows: torch.Tensor  # [reqs * kv_heads * slots] cache rows, request-major
+    query_rows: torch.Tensor  # [tokens * heads] row of (token, head) in the [reqs * kv_heads * padded] buffer
+    hidden: torch.Tensor  # [reqs, kv_heads, rows, slots] bool, contiguous (masked_fill is slow to broadcast)
+    empty: torch.Tensor | None  # [reqs, 1, rows, 1] rows that see no key, None when there are none
+    rows: int  # query rows per (request, kv head): rep * max_q
+    padded_rows: int  # rows rounded up to ATTENTION_ROW_ALIGN
+    slots: int  # keys per request, a multiple of KEY_BLOCK
+
+
+def _step_plan(meta: IsoExecAttentionMetadata, kv_heads: int, block_size: int, heads: int, device) -> _StepPlan:
+    key = (kv_heads, block_size, heads, str(device))
+    plan = meta.plans.get(key)
+    if plan is not None:
+        return plan
+    tokens, reqs, max_q = meta.num_actual_tokens, meta.num_reqs, meta.max_query_len
+    rep = heads // kv_heads
     starts = meta.query_start_loc[: reqs + 1].to(device=device, dtype=torch.long)
     seq_lens = meta.seq_lens[:reqs].to(device=device, dtype=torch.long)
     q_lens = starts[1:] - starts[:-1]
-    max_q = meta.max_query_len
 
-    # Keys and values of every request by position, [reqs, kv_heads, slots, D], in one gather
-    # through the block table: as many slots as the longest request needs, rounded to the kernel's
-    # key blocks; values zeroed past each length (masked keys get a zero weight, and zero times a
-    # finite value is zero; the cache past a length may hold anything).
+    # Keys by position, as many as the longest request needs rounded up to the kernel's key blocks.
+    # Positions past a request's length read its last key: a real, finite key whose weight is an
+    # exact 0 (0 * v adds nothing to a GEMM sum), so values need no zeroing and stale or unwritten
+    # cache rows are never read.
+    slots = -(-meta.max_seq_len // canonical.KEY_BLOCK) * canonical.KEY_BLOCK
     table = meta.block_table[:reqs].to(device=device, dtype=torch.long)
-    slots = min(-(-meta.max_seq_len // canonical.KEY_BLOCK) * canonical.KEY_BLOCK, table.shape[1] * block_size)
     position = torch.arange(slots, device=device)
-    slot_ids = table[:, position // block_size] * block_size + position % block_size  # [reqs, slots]
-    rows = slot_ids[:, None, :] * kv_heads + torch.arange(kv_heads, device=device)[None, :, None]
-    kv = _entry_rows(kv_cache).index_select(0, rows.reshape(-1)).view(reqs, kv_heads, slots, width)
-    key, value = kv[..., :dim], kv[..., dim:]
-    value.masked_fill_((position[None, :] >= seq_lens[:, None])[:, None, :, None], 0)
+    clamped = torch.minimum(position[None, :], (seq_lens - 1).clamp(min=0)[:, None])  # [reqs, slots]
+    slot_ids = table.gather(1, clamped // block_size) * block_size + clamped % block_size
+    kv_rows = slot_ids[:, None, :] * kv_heads + torch.arange(kv_heads, device=device)[None, :, None]
 
-    # Queries [reqs, max_q, H, D]: token t is query row t - starts[r] of its request r.
-    if tokens == reqs * max_q:  # every request has max_q queries (all decode steps, say)
-        flat = None
-        padded = query[:tokens].reshape(reqs, max_q, heads, dim)
-    else:
-        request = torch.repeat_interleave(torch.arange(reqs, device=device), q_lens, output_size=tokens)
-        flat = request * max_q + torch.arange(tokens, device=device) - starts[request]
-        padded = query.new_zeros(reqs * max_q, heads, dim).index_copy_(0, flat, query[:tokens])
-        padded = padded.view(reqs, max_q, heads, dim)
-    # Query row i of request r sits at position (seq_len - q_len + i) and sees keys [0, that + 1).
+    # Query rows of a (request, kv head): query i, head g of the group -> row i * rep + g (rows are
+    # independent of each other in the kernel's GEMMs, so any order gives the same bits).
+    rows = rep * max_q
+    padded_rows = -(-rows // canonical.ROW_ALIGN) * canonical.ROW_ALIGN
+    request = torch.repeat_interleave(torch.arange(reqs, device=device), q_lens, output_size=tokens)
+    query = torch.arange(tokens, device=device) - starts[request]  # [tokens]
+    head = torch.arange(heads, device=device)
+    query_rows = ((request[:, None] * kv_heads + head[None, :] // rep) * padded_rows
+                  + query[:, None] * rep + head[None, :] % rep)
+
+    # Query i of a request sits at position seq_len - q_len + i and sees keys [0, that + 1); rows
+    # past a request's queries (padding) see its whole sequence (their output is dropped).
     seen = (seq_lens - q_lens)[:, None] + torch.arange(1, max_q + 1, device=device)[None, :]
-    seen = torch.minimum(seen, seq_lens[:, None])  # padding rows: any prefix will do
-    visible = (position[None, None, :] < seen[:, :, None])[:, None]  # [reqs, 1, max_q, slots]
-    out = canonical.attention(padded.transpose(1, 2), key, value, visible, scale)  # [reqs, max_q, H, D]
-    out = out.reshape(reqs * max_q, heads, dim)
-    output[:tokens] = out if flat is None else out.index_select(0, flat)
+    seen = torch.minimum(seen, seq_lens[:, None]).repeat_interleave(rep, dim=1)  # [reqs, rows]
+    hidden = (position[None, None, :] >= seen[:, :, None])[:, None].expand(reqs, kv_heads, rows, slots)
+    empty = (seen == 0)[:, None, :, None]
+    plan = meta.plans[key] = _StepPlan(
+        kv_rows=kv_rows.reshape(-1), query_rows=query_rows.reshape(-1), hidden=hidden.contiguous(),
+        empty=empty if bool(empty.any()) else None, rows=rows, padded_rows=padded_rows, slots=slots,
+    )
+    return plan
+
+
+def attend(
+    query: torch.Tensor, kv_cache: torch.Tensor, meta: IsoExecAttentionMetadata, scale: float, output: torch.Tensor
+) -> None:
+    """Canonical attention of the step's ``query`` ``[T, H, D]`` into ``output`` ``[T, H, D]``.
+
+    The arithmetic of ``kernels.attention.attention`` (its softmax is called as is) for causal
+    queries over a KV cache, with the step's index work done once for all layers (``_StepPlan``)
+    and no re-indexing, mask checks or padded copies: the cache is read by position."""
+    tokens, reqs = meta.num_actual_tokens, meta.num_reqs
+    if tokens == 0 or reqs == 0:
+        return
+    _, kv_heads, block_size, width = kv_cache.shape
+    heads, dim = query.shape[1], query.shape[-1]
+    plan = _step_plan(meta, kv_heads, block_size, heads, query.device)
+    batch, rows, padded, slots = reqs * kv_heads, plan.rows, plan.padded_rows, plan.slots
+
+    kv = _entry_rows(kv_cache).index_select(0, plan.kv_rows).view(batch, slots, width)
+    key, value = kv[..., :dim].float(), kv[..., dim:].float()  # strided views for fp32: same GEMM bits
+    q = torch.zeros(batch * padded, dim, dtype=torch.float32, device=query.device)
+    q.index_copy_(0, plan.query_rows, query[:tokens].reshape(-1, dim).float())
+
+    # Scores: one GEMM per (request, kv head), [padded rows, D] @ [D, slots].
+    scores = torch.bmm(q.view(batch, padded, dim), key.transpose(1, 2)).view(reqs, kv_heads, padded, slots)
+    real = scores[:, :, :rows].mul_(scale)
+    if plan.empty is not None:
+        weights = canonical.softmax_over_keys(real, plan.hidden, plan.empty)
+    else:  # the same softmax without its fill of rows that see no key (a full pass, for nothing here)
+        weights = torch.softmax(real.masked_fill_(plan.hidden, float("-inf")), dim=-1)
+    if rows != padded:  # padding rows weigh nothing, as in the kernel
+        weights = torch.nn.functional.pad(weights, (0, 0, 0, padded - rows))
+    weights = weights.view(batch, padded, slots)
+
+    # Weighted values: one GEMM per key block, partials combined by a halving tree over the
+    # power-of-two block count (a block past the keys adds an exact +0).
+    block = canonical.KEY_BLOCK
+    used = slots // block
+    partials: list[torch.Tensor | None] = [
+        torch.bmm(weights[:, :, j * block : (j + 1) * block], value[:, j * block : (j + 1) * block]) for j in range(used)
+    ]
+    partials += [None] * (next_power_of_two(used) - used)
+    while len(partials) > 1:
+        half = len(partials) // 2
+        partials = [a + b if b is not None else a + 0.0 for a, b in zip(partials[:half], partials[half:])]
+    out = partials[0].view(-1, dim).index_select(0, plan.query_rows)
+    output[:tokens] = out.view(tokens, heads, dim).to(output.dtype)
 
 
 def refuse_unsupported(alibi_slopes, sliding_window, kv_cache_dtype, logits_soft_cap, attn_type,
