@@ -112,11 +112,38 @@ def attention_grads(
     return d_query.to(query.dtype), d_key.to(key.dtype), d_value.to(value.dtype)
 
 
+def scores_to_weights(scores: torch.Tensor, rows: int, hidden: torch.Tensor, empty: torch.Tensor | None) -> torch.Tensor:
+    """Canonical attention weights from fp32 scaled ``scores`` ``[B, Hkv, padded rows, slots]`` (slots
+    a multiple of ``KEY_BLOCK``; overwritten): torch's softmax over the slots of the ``rows`` real
+    rows, ``hidden`` ``[B, Hkv, rows, slots]`` slots at -inf; rows that see no key (``empty``
+    ``[B, 1, rows, 1]``, or None when there are none) and padding rows weigh 0."""
+    weights = torch.softmax(scores[:, :, :rows].masked_fill_(hidden, float("-inf")), dim=-1)
+    if empty is not None:
+        weights.masked_fill_(empty, 0.0)
+    padded_rows = scores.shape[2]
+    return weights if padded_rows == rows else F.pad(weights, (0, 0, 0, padded_rows - rows))
+
+
 def softmax_over_keys(scores: torch.Tensor, hidden: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
-    """The canonical softmax of fp32 ``scores`` over key slots (a multiple of ``KEY_BLOCK``):
-    ``hidden`` slots weigh 0, and so do rows that see no key (``empty``, broadcast over slots).
-    ``scores`` is overwritten."""
+    """The softmax of ``scores_to_weights`` on real rows only (``scores`` overwritten)."""
     return torch.softmax(scores.masked_fill_(hidden, float("-inf")), dim=-1).masked_fill_(empty, 0.0)
+
+
+def weighted_values(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Canonical ``weights @ values`` for ``[N, rows, slots]`` x ``[N, slots, D]`` fp32 (rows a multiple
+    of ``QUERY_ROW_PAD``, slots of ``KEY_BLOCK``): one GEMM per key block, the block partials combined
+    by a halving tree over the power-of-two number of blocks the definition pads to. A block past
+    the keys would add an exact +0 partial: ``x + 0.0`` keeps every bit of x but turns -0 into +0."""
+    used = weights.shape[-1] // KEY_BLOCK
+    partials: list[torch.Tensor | None] = [
+        torch.bmm(weights[:, :, j * KEY_BLOCK : (j + 1) * KEY_BLOCK], values[:, j * KEY_BLOCK : (j + 1) * KEY_BLOCK])
+        for j in range(used)
+    ]
+    partials += [None] * (next_power_of_two(used) - used)
+    while len(partials) > 1:
+        half = len(partials) // 2
+        partials = [a + b if b is not None else a + 0.0 for a, b in zip(partials[:half], partials[half:])]
+    return partials[0]
 
 
 class _MaskPlan:
@@ -146,16 +173,15 @@ class _MaskPlan:
         # that hold keys are computed: the score GEMM's bits per (row, key) do not depend on the
         # slot count, the softmax ignores appended masked blocks, and a missing block's partial is
         # an exact zero in the combine.
-        self.used_blocks = -(-tk // KEY_BLOCK)
-        self.kv_blocks = next_power_of_two(self.used_blocks)
-        self.slots = self.used_blocks * KEY_BLOCK
+        self.slots = -(-tk // KEY_BLOCK) * KEY_BLOCK
         self.rows = rep * tq
         self.padded_rows = -(-self.rows // QUERY_ROW_PAD) * QUERY_ROW_PAD
         # Visible slots per row: rows are (rep, Tq) flattened; counts are per (B, Tq).
         row_counts = counts[:, None, :].expand(batch, rep, tq).reshape(batch, 1, self.rows)
         hidden = torch.arange(self.slots, device=device)[None, None, None, :] >= row_counts[..., None]
         self.hidden = hidden.expand(batch, kv_heads, self.rows, self.slots).contiguous()  # (masked_fill is slow to broadcast)
-        self.empty = (row_counts == 0)[..., None]  # [B, 1, rows, 1]
+        empty = (row_counts == 0)[..., None]  # [B, 1, rows, 1]
+        self.empty = empty if bool(empty.any()) else None
 
 
 # The last small plan, with the mask it was made from (held, so its id cannot be reused) and the
@@ -190,7 +216,7 @@ def canonical_forward(
         gather = plan.index[:, None, :, None].expand(batch, kv_heads, tk, dim)
         key = key.gather(2, gather)
         value = value.gather(2, gather)
-    used_blocks, kv_blocks, slots = plan.used_blocks, plan.kv_blocks, plan.slots
+    slots = plan.slots
     rows, padded_rows = plan.rows, plan.padded_rows
     # Query rows per kv head: [B*Hkv, rows, D], rows padded to a multiple of QUERY_ROW_PAD.
     q = _pad_dim(query.float().reshape(batch * kv_heads, rows, dim), 1, padded_rows)
@@ -202,23 +228,7 @@ def canonical_forward(
     scores = torch.bmm(q, k.transpose(1, 2)).view(batch, kv_heads, padded_rows, slots).mul_(scaling)
 
     # The softmax runs on the real rows only; the padding rows (they see no key) get zero weights.
-    weights = softmax_over_keys(scores[:, :, :rows], plan.hidden, plan.empty)
-    if padded_rows != rows:
-        weights = F.pad(weights, (0, 0, 0, padded_rows - rows))
-
-    # Weighted values: one GEMM per key block, [rows, KEY_BLOCK] @ [KEY_BLOCK, D], block partials
-    # combined by a halving tree over kv_blocks (a power of two). A block past the keys would add an
-    # exact +0 partial: ``x + 0.0`` keeps every bit of x except turning -0 into +0.
-    weights = weights.view(batch * kv_heads, padded_rows, slots)
-    partials: list[torch.Tensor | None] = [
-        torch.bmm(weights[:, :, j * KEY_BLOCK : (j + 1) * KEY_BLOCK], v[:, j * KEY_BLOCK : (j + 1) * KEY_BLOCK])
-        for j in range(used_blocks)
-    ]
-    partials += [None] * (kv_blocks - used_blocks)
-    width = kv_blocks
-    while width > 1:
-        width //= 2
-        partials = [a + b if b is not None else a + 0.0 for a, b in zip(partials[:width], partials[width:])]
-    out = partials[0][:, :rows]  # [B*Hkv, rows, D]
+    weights = scores_to_weights(scores, rows, plan.hidden, plan.empty)
+    out = weighted_values(weights.view(batch * kv_heads, padded_rows, slots), v)[:, :rows]  # [B*Hkv, rows, D]
     out = out.reshape(batch, heads, tq, dim).transpose(1, 2)
     return out.to(query.dtype).contiguous()
