@@ -39,21 +39,21 @@ def vllm_env(tmp_path_factory):
             os.environ[k] = v
 
 
-def _trainer(on: bool):
+def _trainer(on: bool, model: ModelConfig = MODEL):
     with state.enabled_scope(on):
         return build_runtime(
             "training_backend", "fsdp", {"world_size": 1, "device": "cpu", "mixed_precision": "fp32"},
-            MODEL, seed=0, trainer=TrainerConfig(micro_batch_size=3),
+            model, seed=0, trainer=TrainerConfig(micro_batch_size=3),
         )
 
 
-def _engine(on: bool, trainer, **options):
+def _engine(on: bool, trainer, model: ModelConfig = MODEL, **options):
     from skyrl_vllm.engine import VLLMEngine
     from skyrl_vllm.options import VLLMOptions
 
     opts = {"kv_cache_memory_bytes": 32 << 20, "multiprocess": False, "enable_prefix_caching": True, **options}
     with state.enabled_scope(on):
-        engine = VLLMEngine(MODEL, VLLMOptions(**opts), seed=0)
+        engine = VLLMEngine(model, VLLMOptions(**opts), seed=0)
     engine.update_weights(trainer.export_weights())
     return engine
 
@@ -165,8 +165,8 @@ def test_attestation_reports_what_ran_at_each_site_and_the_handshake_agrees(trai
 
 def test_merged_projections_run_as_one_gemm_each(engine_on, monkeypatch):
     """vLLM's merged q/k/v and gate/up weights run as one canonical GEMM per call (the canonical
-    linear's columns are independent); the attestation names them with their logical pieces, and
-    the rollout tests above prove those GEMMs give the trainer's bits."""
+    linear's columns are independent), on prepacked weights; the attestation names them, and the
+    rollout tests above prove those GEMMs give the trainer's bits."""
     from skyrl_isoexec.kernels import linear as kernel
 
     model = engine_on.execution_contract()["ledger"]["model"]
@@ -175,6 +175,10 @@ def test_merged_projections_run_as_one_gemm_each(engine_on, monkeypatch):
         **{f"model.layers.{i}.self_attn.qkv_proj": [128, 64, 64] for i in range(2)},
         **{f"model.layers.{i}.mlp.gate_up_proj": [128, 128] for i in range(2)},
     }
+    # fp32: every linear and the lm_head compute from weights prepacked for oneDNN.
+    linears = [f"model.layers.{i}.{name}" for i in range(2) for name in ("self_attn.qkv_proj", "self_attn.o_proj",
+                                                                          "mlp.gate_up_proj", "mlp.down_proj")]
+    assert model["prepacked_linear"] == sorted([*linears, "lm_head"])
 
     def linear_calls() -> int:
         ledger = engine_on.execution_contract()["ledger"]
@@ -192,10 +196,34 @@ def test_merged_projections_run_as_one_gemm_each(engine_on, monkeypatch):
 def test_weight_update_in_place_keeps_the_bits(trainer_on, engine_on):
     samples = _generate(engine_on, seed=4, batches=1)
     before = trainer_on.forward(training_batch(samples))
-    batch = training_batch(samples)
-    trainer_on.forward_backward(batch, lambda logprobs, micro, **_: (-(logprobs * micro.loss_mask).sum(), {}))
-    trainer_on.optim_step()
+    _train_one_step(trainer_on, samples)
     after = trainer_on.forward(training_batch(samples))
     assert not torch.equal(before, after)  # the weights did change
     engine_on.update_weights(trainer_on.export_weights())
     assert _differing(trainer_on, _generate(engine_on, seed=4, batches=1)) == 0
+
+
+def _train_one_step(trainer, samples) -> None:
+    batch = training_batch(samples)
+    trainer.forward_backward(batch, lambda logprobs, micro, **_: (-(logprobs * micro.loss_mask).sum(), {}))
+    trainer.optim_step()
+
+
+def test_tied_lm_head_follows_a_weight_update():
+    """Llama (SmolLM2's layout) ties the lm_head to the input embedding; its prepacked weight is
+    rebuilt when the embedding is reloaded, so the logprobs after an update are the trainer's."""
+    model = ModelConfig(config=preset("llama"), dtype="float32")
+    trainer = _trainer(True, model)
+    engine = _engine(True, trainer, model)
+    try:
+        assert "lm_head" in engine.execution_contract()["ledger"]["model"]["prepacked_linear"]
+        samples = _generate(engine, seed=7, batches=1)
+        before = trainer.forward(training_batch(samples))
+        _train_one_step(trainer, samples)
+        assert not torch.equal(before, trainer.forward(training_batch(samples)))  # the weights did change
+        engine.update_weights(trainer.export_weights())
+        assert _differing(trainer, _generate(engine, seed=8, batches=1)) == 0
+    finally:
+        engine.close()
+        trainer.close()
+

@@ -106,6 +106,36 @@ def test_full_log_softmax_gathers_to_the_trainers_token_logprobs(dtype):
     assert int((bits(stock) != bits(want)).sum()) > 0
 
 
+def test_prepacked_weights_give_the_canonical_linear_bits():
+    # vLLM's fp32 linears compute from a weight reordered once for oneDNN (``linear._prepack``):
+    # the canonical GEMM's own kernel without its per-call reorder. Every row count (padded to 8
+    # by the canonical linear), 1 and 2 threads, SmolLM2's and the presets' shapes.
+    from skyrl_isoexec.kernels import linear as canonical
+    from skyrl_isoexec.vllm.linear import _prepack
+
+    before = torch.get_num_threads()
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576), (256, 64), (64, 128)]
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for n, k in shapes:
+                weight = torch.randn(n, k, generator=_gen(n + k))
+                packed = _prepack(weight)
+                assert packed is not None and packed.is_mkldnn
+                for rows in (1, 3, 8, 13, 64, 72, 200):
+                    x = torch.randn(rows, k, generator=_gen(rows))
+                    got, want = canonical.linear(x, packed), canonical.linear(x, weight)
+                    assert int((bits(got) != bits(want)).sum()) == 0, (threads, n, k, rows)
+    finally:
+        torch.set_num_threads(before)
+    # Control: the same oneDNN call on one unpadded row takes another kernel, and the comparison sees it.
+    weight, x = torch.randn(576, 1536, generator=_gen(1)), torch.randn(8, 1536, generator=_gen(2))
+    one_row = torch.ops.mkldnn._linear_pointwise(x[:1], _prepack(weight), None, "none", [], "")
+    assert int((bits(one_row) != bits(canonical.linear(x, weight)[:1])).sum()) > 0
+    # Where the canonical GEMM is not oneDNN's fp32 one, nothing is prepacked.
+    assert _prepack(weight.to(torch.bfloat16)) is None and _prepack(torch.randn(4, 64)) is None
+
+
 def _paged(lengths, kv_heads, dim, block_size, dtype, seed, kv_seed=None):
     """Keys/values of each sequence, and a KV cache holding them in shuffled blocks via ``write_kv``
     (block order from ``seed``, contents from ``kv_seed``: two layers of one model share the order)."""

@@ -108,6 +108,7 @@ def _wrap_load_model(original: Callable[..., Any]) -> Callable[..., Any]:
                 unpatched=[],
                 installed=dict(_installed),
                 fused_linear=linear.fused_layers(self.model),
+                prepacked_linear=linear.prepacked_layers(self.model),
             )
             self.model._skyrl_op_ledger = ledger
         return result

@@ -15,6 +15,15 @@ of each unquantized method (``install`` / ``uninstall``):
   weight split by ``output_partition_sizes``, one GEMM per piece. Which layers ran fused is in
   the ledger (``model.fused_linear``, from ``fused_layers``).
 
+In fp32 on CPU the canonical GEMM is oneDNN's inner product (brgemm matmul), which copies a plain
+``[N, K]`` weight into its blocked layout on every call. ``process_weights_after_loading`` also
+keeps that blocked copy (``_prepack``), and the canonical linear is called with it: the same
+oneDNN kernel without the per-call copy (as vLLM-CPU's own prepack), hence the same bits
+(asserted by ``test_vllm_isoexec_ops.py`` and checked on a probe for every weight, which keeps
+the plain weight if they differ). The plain weight stays too (in-place reloads load into it, and
+every reload processes the layer again, repacking it), so fp32 linear weights take twice their
+memory. The ledger lists the prepacked layers (``model.prepacked_linear``).
+
 The lm_head (``UnquantizedEmbeddingMethod.apply``) computes the ``org_vocab_size`` real rows only,
 as the trainer's ``lm_head`` does (vLLM pads the vocabulary; the padding is cut afterwards).
 """
@@ -25,6 +34,9 @@ from typing import Any, Callable
 
 import torch
 
+from skyrl_core.ops import onednn
+
+from skyrl_isoexec.constants import LINEAR_MIN_COLUMNS
 from skyrl_isoexec.kernels import elementwise
 from skyrl_isoexec.kernels import linear as canonical
 from skyrl_isoexec.vllm import runtime
@@ -49,6 +61,24 @@ def _check_dtype(layer: torch.nn.Module) -> None:
         raise ValueError(f"IsoExec: {type(layer).__name__} has {dtype} weights; canonical GEMMs run in {allowed}")
 
 
+# Rows oneDNN is told to expect when reordering a weight (its fp32 layout is the same for any count >= 8).
+_PACK_ROWS_HINT = 64
+_PROBE_ROWS = 16
+
+
+def _prepack(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` ``[N, K]`` reordered once into the layout oneDNN's fp32 GEMM computes from, or
+    None where the canonical GEMM is another one (bf16, not CPU) or a probe's bits differ."""
+    if (weight.device.type != "cpu" or weight.dtype != torch.float32 or not onednn.available()
+            or weight.shape[0] < LINEAR_MIN_COLUMNS):
+        return None
+    weight = weight.detach().contiguous()
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS_HINT)
+    probe = torch.randn(_PROBE_ROWS, weight.shape[1], generator=torch.Generator().manual_seed(0))
+    same = torch.equal(canonical.linear(probe, packed).view(torch.int32), canonical.linear(probe, weight).view(torch.int32))
+    return packed if same else None
+
+
 def _built_canonical(layer: torch.nn.Module) -> bool:
     """Whether ``layer`` is canonical: decided at its first weight processing (during the model's
     load, when IsoExec's state is the engine's), kept for in-place reloads whatever the state then."""
@@ -64,6 +94,8 @@ def linear_process_weights_after_loading(self, layer: torch.nn.Module) -> None:
     _check_dtype(layer)
     layer._isoexec_pieces = pieces = _linear_pieces(layer)
     layer._isoexec_fused = len(pieces) > 1 and bool(getattr(canonical.linear, "columns_independent", False))
+    one_gemm = len(pieces) == 1 or layer._isoexec_fused
+    layer._isoexec_packed = _prepack(layer.weight) if one_gemm else None
 
 
 def linear_apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -73,7 +105,8 @@ def linear_apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tens
     runtime.observe("linear", layer)
     weight = layer.weight
     if len(pieces) == 1 or layer._isoexec_fused:
-        return canonical.linear(x, weight, bias)
+        packed = layer._isoexec_packed
+        return canonical.linear(x, weight if packed is None else packed, bias)
     outputs, start = [], 0
     for rows in pieces:
         piece_bias = None if bias is None else bias.narrow(0, start, rows)
@@ -91,11 +124,24 @@ def fused_layers(model: torch.nn.Module) -> dict[str, list[int]]:
     }
 
 
+def prepacked_layers(model: torch.nn.Module) -> list[str]:
+    """Canonical linears (and lm_head) of ``model`` computing from a prepacked weight."""
+    return sorted(
+        getattr(module, "_isoexec_name", name)
+        for name, module in model.named_modules()
+        if getattr(module, "_isoexec_packed", None) is not None
+    )
+
+
 def embedding_process_weights_after_loading(self, layer: torch.nn.Module) -> None:
     if not _built_canonical(layer):
         return _originals[(_EMBEDDING, "process_weights_after_loading")](self, layer)
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
     _check_dtype(layer)
-    layer._isoexec_vocab = int(getattr(layer, "org_vocab_size", layer.weight.shape[0]))
+    layer._isoexec_vocab = vocab = int(getattr(layer, "org_vocab_size", layer.weight.shape[0]))
+    # Only an lm_head multiplies; an input embedding gathers rows of the plain weight.
+    layer._isoexec_packed = _prepack(layer.weight.narrow(0, 0, vocab)) if isinstance(layer, ParallelLMHead) else None
 
 
 def lm_head_apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -105,7 +151,9 @@ def lm_head_apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Ten
     runtime.observe("linear", layer)
     weight = layer.weight
     padded = int(weight.shape[0])
-    logits = canonical.linear(x, weight.narrow(0, 0, vocab), None if bias is None else bias.narrow(0, 0, vocab))
+    packed = layer._isoexec_packed
+    logits = canonical.linear(x, weight.narrow(0, 0, vocab) if packed is None else packed,
+                              None if bias is None else bias.narrow(0, 0, vocab))
     if padded != vocab:  # vLLM's padded rows, cut by its LogitsProcessor afterwards
         logits = torch.nn.functional.pad(logits, (0, padded - vocab))
     return logits
