@@ -10,10 +10,10 @@ reductions differ from the trainer's. ``IsoExecCPUBackend`` replaces ``CPU_ATTN`
 - read (``forward``, ``attend``): every request's keys and values are gathered in one
   ``index_select`` through its block table into ``[requests * kv_heads, keys, 2 * D]``, and all
   requests of the step are computed at once with the arithmetic of the canonical kernel
-  (``kernels.attention``: score GEMM over query rows padded to 8 and 64-key blocks, its softmax,
-  one value GEMM per key block, halving-tree combine), query ``i`` of a request seeing keys
-  ``[0, start + i]``. Cache positions need no re-indexing, so the kernel's generic mask handling
-  is skipped, and what the layers of a step share is derived once from its metadata.
+  (``kernels.attention``: its score GEMM over query rows padded as it pads them and 64-key
+  blocks, then its own ``scores_to_weights`` and ``weighted_values``), query ``i`` of a request
+  seeing keys ``[0, start + i]``. Cache positions need no re-indexing, so the kernel's generic
+  mask handling is skipped, and what the layers of a step share is derived once from its metadata.
 
 The canonical kernel reduces over exactly the visible keys in fixed blocks aligned at the
 sequence start, so a token's output is the same whether it was computed in a prefill, a chunk of
@@ -36,7 +36,6 @@ from vllm.v1.attention.backends.cpu_attn import (
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from skyrl_isoexec.kernels import attention as canonical
-from skyrl_isoexec.kernels.reduce import next_power_of_two
 from skyrl_isoexec.vllm import runtime
 
 BACKEND_PATH = "skyrl_isoexec.vllm.attention.IsoExecCPUBackend"
@@ -104,7 +103,7 @@ class _StepPlan:
     hidden: torch.Tensor  # [reqs, kv_heads, rows, slots] bool, contiguous (masked_fill is slow to broadcast)
     empty: torch.Tensor | None  # [reqs, 1, rows, 1] rows that see no key, None when there are none
     rows: int  # query rows per (request, kv head): rep * max_q
-    padded_rows: int  # rows rounded up to ATTENTION_ROW_ALIGN
+    padded_rows: int  # rows rounded up to the kernel's QUERY_ROW_PAD
     slots: int  # keys per request, a multiple of KEY_BLOCK
 
 
@@ -133,7 +132,7 @@ def _step_plan(meta: IsoExecAttentionMetadata, kv_heads: int, block_size: int, h
     # Query rows of a (request, kv head): query i, head g of the group -> row i * rep + g (rows are
     # independent of each other in the kernel's GEMMs, so any order gives the same bits).
     rows = rep * max_q
-    padded_rows = -(-rows // canonical.ROW_ALIGN) * canonical.ROW_ALIGN
+    padded_rows = -(-rows // canonical.QUERY_ROW_PAD) * canonical.QUERY_ROW_PAD
     request = torch.repeat_interleave(torch.arange(reqs, device=device), q_lens, output_size=tokens)
     query = torch.arange(tokens, device=device) - starts[request]  # [tokens]
     head = torch.arange(heads, device=device)
@@ -158,9 +157,10 @@ def attend(
 ) -> None:
     """Canonical attention of the step's ``query`` ``[T, H, D]`` into ``output`` ``[T, H, D]``.
 
-    The arithmetic of ``kernels.attention.attention`` (its softmax is called as is) for causal
-    queries over a KV cache, with the step's index work done once for all layers (``_StepPlan``)
-    and no re-indexing, mask checks or padded copies: the cache is read by position."""
+    The arithmetic of ``kernels.attention.attention`` (its score GEMM shape; its softmax and value
+    steps called as they are) for causal queries over a KV cache, with the step's index work done
+    once for all layers (``_StepPlan``) and no re-indexing, mask checks or padded copies: the cache
+    is read by position."""
     tokens, reqs = meta.num_actual_tokens, meta.num_reqs
     if tokens == 0 or reqs == 0:
         return
@@ -174,29 +174,13 @@ def attend(
     q = torch.zeros(batch * padded, dim, dtype=torch.float32, device=query.device)
     q.index_copy_(0, plan.query_rows, query[:tokens].reshape(-1, dim).float())
 
-    # Scores: one GEMM per (request, kv head), [padded rows, D] @ [D, slots].
+    # Scores: one GEMM per (request, kv head), [padded rows, D] @ [D, slots]; then the kernel's own
+    # steps: its softmax over the slots, its per-key-block value GEMMs and their combine.
     scores = torch.bmm(q.view(batch, padded, dim), key.transpose(1, 2)).view(reqs, kv_heads, padded, slots)
-    real = scores[:, :, :rows].mul_(scale)
-    if plan.empty is not None:
-        weights = canonical.softmax_over_keys(real, plan.hidden, plan.empty)
-    else:  # the same softmax without its fill of rows that see no key (a full pass, for nothing here)
-        weights = torch.softmax(real.masked_fill_(plan.hidden, float("-inf")), dim=-1)
-    if rows != padded:  # padding rows weigh nothing, as in the kernel
-        weights = torch.nn.functional.pad(weights, (0, 0, 0, padded - rows))
-    weights = weights.view(batch, padded, slots)
-
-    # Weighted values: one GEMM per key block, partials combined by a halving tree over the
-    # power-of-two block count (a block past the keys adds an exact +0).
-    block = canonical.KEY_BLOCK
-    used = slots // block
-    partials: list[torch.Tensor | None] = [
-        torch.bmm(weights[:, :, j * block : (j + 1) * block], value[:, j * block : (j + 1) * block]) for j in range(used)
-    ]
-    partials += [None] * (next_power_of_two(used) - used)
-    while len(partials) > 1:
-        half = len(partials) // 2
-        partials = [a + b if b is not None else a + 0.0 for a, b in zip(partials[:half], partials[half:])]
-    out = partials[0].view(-1, dim).index_select(0, plan.query_rows)
+    scores[:, :, :rows].mul_(scale)  # (padding rows are dropped by the softmax)
+    weights = canonical.scores_to_weights(scores, rows, plan.hidden, plan.empty)
+    out = canonical.weighted_values(weights.view(batch, padded, slots), value)
+    out = out.view(-1, dim).index_select(0, plan.query_rows)
     output[:tokens] = out.view(tokens, heads, dim).to(output.dtype)
 
 
