@@ -63,6 +63,27 @@ def test_rotary_matches_the_trainers_transformers_rotary(vllm_modules, family, d
         assert int((bits(stock_q.view_as(q)) != bits(want_q)).sum()) > 0
 
 
+def test_rotary_keeps_its_lookup_only_for_the_same_positions(vllm_modules):
+    # The rotary module keeps the cos/sin of its last positions (the layers of a step share them);
+    # other positions, even of the same count and in a reused buffer, must be looked up again.
+    from skyrl_isoexec.vllm.layers import IsoExecRotaryEmbedding
+
+    heads, dim = 4, 32
+    buffer = torch.tensor([3, 9, 27, 81, 5])
+    q = torch.randn(5, heads * dim, generator=_gen(0))
+    k = torch.randn(5, 2 * dim, generator=_gen(1))
+    iso = IsoExecRotaryEmbedding(dim, dim, 1024, 10000.0, True, torch.float32)
+    first = iso(buffer, q, k)
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(first, iso(buffer, q, k)))
+    buffer.copy_(torch.tensor([4, 9, 27, 81, 6]))  # vLLM rewrites its positions buffer in place
+    moved_q, moved_k = iso(buffer, q, k)
+    fresh_q, fresh_k = IsoExecRotaryEmbedding(dim, dim, 1024, 10000.0, True, torch.float32)(buffer, q, k)
+    assert torch.equal(bits(moved_q), bits(fresh_q)) and torch.equal(bits(moved_k), bits(fresh_k))
+    assert not torch.equal(bits(moved_q), bits(first[0]))
+    only_q, no_key = iso(buffer, q)
+    assert no_key is None and torch.equal(bits(only_q), bits(fresh_q))
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_rms_norm_rounds_the_residual_add_like_the_trainer(vllm_modules, dtype):
     from vllm.model_executor.layers.layernorm import RMSNorm

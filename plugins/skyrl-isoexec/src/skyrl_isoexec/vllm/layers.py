@@ -8,6 +8,9 @@ kernels (``skyrl_isoexec.kernels``), not vLLM's fused CPU kernels:
 - ``RotaryEmbedding``: cos/sin from the one shared fp32 table of ``kernels.elementwise.rope``
   (indexed by position, cast to the model dtype), applied as transformers does:
   ``x * cos + rotate_half(x) * sin`` in the model dtype, on the first ``rotary_dim`` channels.
+  Computed as ``x * cos + swap_halves(x) * [-sin1, sin2]``: ``(-a) * b`` and ``a * (-b)`` round
+  alike, so the bits are transformers' with two fewer passes; the lookup is kept while the
+  positions are those of the previous call (every layer of a step rotates at the same ones).
 - ``SiluAndMul``: ``kernels.elementwise.silu_mul(gate, up)``.
 
 A module built while IsoExec is off in this process keeps vLLM's own forward.
@@ -60,9 +63,9 @@ def hf_inv_freq(base: float, rotary_dim: int) -> torch.Tensor:
     return 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(dtype=torch.float) / rotary_dim))
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def _swap_halves(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return torch.cat((x[..., half:], x[..., :half]), dim=-1)
 
 
 class IsoExecRotaryEmbedding(RotaryEmbedding):
@@ -75,22 +78,35 @@ class IsoExecRotaryEmbedding(RotaryEmbedding):
                 "the trainer's transformers models rotate halves (neox style)"
             )
         self._isoexec_inv_freq = hf_inv_freq(self.base, self.rotary_dim)
+        self._isoexec_last: tuple | None = None  # (positions, dtype, cos, signed sin)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos`` and ``[-sin1, sin2]`` for ``positions`` ``[T]``, ``[T, 1, rotary_dim]`` in ``dtype``."""
+        last = self._isoexec_last
+        if last is not None and last[1] == dtype and last[0].shape == positions.shape and torch.equal(last[0], positions):
+            return last[2], last[3]
+        cos, sin = elementwise.rope(self._isoexec_inv_freq, 1.0, positions, dtype)
+        half = self.rotary_dim // 2
+        signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        cos, signed = cos.unsqueeze(1), signed.unsqueeze(1)  # broadcast over heads
+        self._isoexec_last = (positions.clone(), dtype, cos, signed)
+        return cos, signed
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.view(cos.shape[0], -1, self.head_size)
-        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
-        rot = rot * cos + _rotate_half(rot) * sin
-        return torch.cat((rot, rest), dim=-1).reshape(shape)
+        rot = x[..., : self.rotary_dim]
+        rotated = (rot * cos).add_(_swap_halves(rot).mul_(signed_sin))
+        if self.rotary_dim == self.head_size:
+            return rotated.view(shape)
+        return torch.cat((rotated, x[..., self.rotary_dim :]), dim=-1).reshape(shape)
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None):
         if not self._isoexec:
             return super().forward(positions, query, key)
         runtime.observe("rope", self)
-        positions = positions.flatten()
-        cos, sin = elementwise.rope(self._isoexec_inv_freq, 1.0, positions, query.dtype)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, rotary_dim]: broadcast over heads
-        return self._rotate(query, cos, sin), None if key is None else self._rotate(key, cos, sin)
+        cos, signed_sin = self._cos_sin(positions.flatten(), query.dtype)
+        return self._rotate(query, cos, signed_sin), None if key is None else self._rotate(key, cos, signed_sin)
 
 
 # vLLM class name -> replacement (``CustomOp.register_oot`` keys by the replaced class's name).
