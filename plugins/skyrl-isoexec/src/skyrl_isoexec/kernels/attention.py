@@ -124,11 +124,6 @@ def scores_to_weights(scores: torch.Tensor, rows: int, hidden: torch.Tensor, emp
     return weights if padded_rows == rows else F.pad(weights, (0, 0, 0, padded_rows - rows))
 
 
-def softmax_over_keys(scores: torch.Tensor, hidden: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
-    """The softmax of ``scores_to_weights`` on real rows only (``scores`` overwritten)."""
-    return torch.softmax(scores.masked_fill_(hidden, float("-inf")), dim=-1).masked_fill_(empty, 0.0)
-
-
 def weighted_values(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """Canonical ``weights @ values`` for ``[N, rows, slots]`` x ``[N, slots, D]`` fp32 (rows a multiple
     of ``QUERY_ROW_PAD``, slots of ``KEY_BLOCK``): one GEMM per key block, the block partials combined
