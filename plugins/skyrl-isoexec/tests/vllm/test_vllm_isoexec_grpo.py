@@ -30,6 +30,10 @@ def _run(tmp_path: Path, monkeypatch, *, enabled: bool, skip: bool, steps: int =
 
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # train() switches IsoExec on through this variable (for vLLM's workers) and state.configure(None)
+    # leaves it set: have monkeypatch restore it after the test (setenv records its absence; delenv of
+    # an absent variable would not), or later tests in this process run with IsoExec on.
+    monkeypatch.setenv(state.ENV_VAR, "0")
     config = {
         "model": {"config": TINY_QWEN3},
         "engine": {"name": "vllm", "options": {"kv_cache_memory_bytes": 32 << 20, "max_model_len": 512}},
