@@ -6,16 +6,18 @@ must then see a prefix ``[0, n)`` of the keys (causal attention over padded batc
 anything else is refused). In that frame:
 
 - scores come from one GEMM per kv head, ``[rows, D] @ [D, slots]``, with the query rows padded
-  to a multiple of 8 and the key slots to a power-of-two number of ``KEY_BLOCK`` blocks: measured
-  (and tested), such a GEMM gives every (row, key) the bits it gets in an 8 x 64 GEMM, so a
-  score depends only on its query and key, in fp32;
+  to a multiple of 8 (4 in practice: same bits, see ``QUERY_ROW_PAD``) and the key slots to a
+  power-of-two number of ``KEY_BLOCK`` blocks: measured (and tested), such a GEMM gives every
+  (row, key) the bits it gets in an 8 x 64 GEMM, so a score depends only on its query and key, in
+  fp32;
 - softmax is torch's fp32 softmax over the key slots, masked slots at -inf (version 3; version 2
   summed exponentials with ``tree_sum``). It computes each row alone, vectorised in an order fixed
   by the row length, and appending whole 64-slot blocks of -inf leaves a row's bits unchanged:
   measured, and asserted by ``test_kernels.py``, so keys a query cannot see never change its
   weights; rows that see no key get zero weights;
 - the weighted sum of values is one GEMM per key block (``[rows, KEY_BLOCK] @ [KEY_BLOCK, D]``: the
-  reduction length is fixed), the block partials combined by ``tree_sum``.
+  reduction length is fixed), the block partials combined by a halving tree over the
+  power-of-two block count.
 
 So a query's output depends only on its query vector and its visible keys/values: identical for
 a full forward over a padded batch and for one decode step against a KV cache of any length.
