@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from skyrl_core.ops.install import DEFAULT_IMPLS
 from skyrl_core.ops.ledger import OpLedger
-from skyrl_core.ops.vocabulary import current_site
+from skyrl_core.ops.vocabulary import ROLE_SITES, current_site
 from skyrl_torch.kv_cache import SlotKVCache
 from skyrl_torch.native_decoder import SERIAL_ELEMENTWISE_BELOW, LayerWeights, ProjectionThreads, unsupported_reason
 
@@ -37,7 +37,7 @@ WALKED_OPS = ("embedding", "rope", "rms_norm", "linear", "attention", "silu_mul"
 # capacity is one): a kernel that pads keys to blocks (IsoExec's, to 64) then finds them padded
 # and skips its own zero-filled copy. The extra keys are hidden by the mask.
 KEY_READ_MULTIPLE = 64
-ENGINE_SITES = ("engine_prefill", "engine_decode")
+ENGINE_SITES = ROLE_SITES["engine"]
 
 
 def missing_ops(ledger: OpLedger) -> list[str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from skyrl_isoexec.constants import LINEAR_ROW_ALIGN
+from skyrl_isoexec.kernels.linear import aligned_rows
 from skyrl_isoexec.kernels.reduce import silu
 
 ROPE_TABLE_BLOCK = 256  # positions per cos/sin table block: one shape for every block
@@ -54,7 +54,7 @@ def sum_of_squares(xf: torch.Tensor) -> torch.Tensor:
             ones = _ones[key] = torch.ones(8, k, dtype=torch.float32, device=xf.device)
     squares = (xf * xf).reshape(-1, k)
     rows = squares.shape[0]
-    padded = max(LINEAR_ROW_ALIGN, -(-rows // LINEAR_ROW_ALIGN) * LINEAR_ROW_ALIGN)
+    padded = aligned_rows(rows)
     if padded != rows:
         squares = F.pad(squares, (0, 0, 0, padded - rows))
     return torch.mm(squares, ones.t())[:rows, 0].view(xf.shape[:-1])

@@ -29,6 +29,11 @@ from skyrl_isoexec.constants import LINEAR_DTYPES, LINEAR_MIN_COLUMNS, LINEAR_RO
 SUPPORTED_DTYPES = tuple(getattr(torch, name) for name in LINEAR_DTYPES)
 
 
+def aligned_rows(rows: int) -> int:
+    """The row count a canonical GEMM computes for ``rows`` rows: a multiple of 8, at least 8."""
+    return max(LINEAR_ROW_ALIGN, -(-rows // LINEAR_ROW_ALIGN) * LINEAR_ROW_ALIGN)
+
+
 def row_aligned_matmul(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x2 @ weight.T`` for ``x2`` ``[M, K]``, ``weight`` ``[N, K]``, rows padded to a multiple of 8."""
     if x2.dtype not in SUPPORTED_DTYPES:
@@ -36,7 +41,7 @@ def row_aligned_matmul(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     rows, columns = x2.shape[0], weight.shape[0]
     if columns < LINEAR_MIN_COLUMNS:
         weight = F.pad(weight, (0, 0, 0, LINEAR_MIN_COLUMNS - columns))
-    padded_rows = max(LINEAR_ROW_ALIGN, -(-rows // LINEAR_ROW_ALIGN) * LINEAR_ROW_ALIGN)
+    padded_rows = aligned_rows(rows)
     if padded_rows != rows:
         x2 = F.pad(x2, (0, 0, 0, padded_rows - rows))
     out = _gemm(x2, weight)
