@@ -59,6 +59,18 @@ TINY_QWEN3 = {
     "initializer_range": 0.2,
 }
 
+# TINY_QWEN3's attention with a sparse MoE MLP in every layer (8 experts, 2 per token).
+TINY_QWEN3_MOE = {
+    **TINY_QWEN3,
+    "model_type": "qwen3_moe",
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "decoder_sparse_step": 1,
+    "norm_topk_prob": True,
+    "tie_word_embeddings": False,
+}
+
 MODEL_SEED = 0
 
 # Printable-ASCII token ids (bytes for a ByteTokenizer; arbitrary tokens for a real vocabulary).

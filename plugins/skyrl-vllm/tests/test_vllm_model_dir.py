@@ -9,7 +9,7 @@ import torch
 
 from skyrl_core.byte_tokenizer import ByteTokenizer
 from skyrl_core.config.schema import ModelConfig
-from skyrl_core.testing.engine_contract import TINY_QWEN3
+from skyrl_core.testing.engine_contract import TINY_QWEN3, TINY_QWEN3_MOE
 from skyrl_vllm.model_dir import check_weights, checkpoint_shapes, materialize_model, write_byte_tokenizer
 
 
@@ -55,3 +55,15 @@ def test_check_weights_names_the_bad_tensor():
         check_weights([("b.weight", torch.zeros(2, 3))], shapes)
     with pytest.raises(ValueError, match=r"tensor 'a.weight' has shape \(3, 2\), the model's has shape \(2, 3\)"):
         check_weights([("a.weight", torch.zeros(3, 2))], shapes)
+
+
+def test_checkpoint_shapes_take_the_trainers_fused_moe_names_too(tmp_path):
+    """transformers >= 5 saves a MoE's experts one tensor each (the checkpoint format) but holds
+    and exports them fused; a weight update may use either form."""
+    model_dir, _ = materialize_model(ModelConfig(config=dict(TINY_QWEN3_MOE)), seed=0, parent_dir=str(tmp_path))
+    shapes = checkpoint_shapes(model_dir)
+    prefix = "model.layers.1.mlp.experts"
+    assert shapes[f"{prefix}.7.gate_proj.weight"] == shapes[f"{prefix}.7.up_proj.weight"] == (32, 64)  # checkpoint
+    assert shapes[f"{prefix}.gate_up_proj"] == (8, 64, 64)  # transformers' runtime names
+    assert shapes[f"{prefix}.down_proj"] == (8, 64, 32)
+    assert shapes["model.layers.1.mlp.gate.weight"] == (8, 64)

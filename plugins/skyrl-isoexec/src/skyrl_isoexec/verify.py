@@ -207,6 +207,8 @@ def verify(
                 for role, runtime in (("trainer", trainer), ("engine", generator))
             }
             problems = compare(contracts["trainer"], contracts["engine"])
+            for problem in problems:
+                echo(f"  contract after scoring: {problem}")
         finally:
             generator.close()
             trainer.close()

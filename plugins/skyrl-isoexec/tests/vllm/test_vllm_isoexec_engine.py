@@ -227,3 +227,71 @@ def test_tied_lm_head_follows_a_weight_update():
         engine.close()
         trainer.close()
 
+
+
+def test_moe_routes_through_the_canonical_kernels_and_follows_a_weight_update():
+    """Qwen3-MoE: vLLM's MoE runner computes the trainer's router, experts and combine (recorded at
+    both engine sites), keeps the plain expert weights, and follows an in-place weight update."""
+    model = ModelConfig(config=preset("qwen3-moe"), dtype="float32")
+    trainer = _trainer(True, model)
+    engine = _engine(True, trainer, model)
+    try:
+        samples = _generate(engine, seed=9, batches=1)
+        assert _differing(trainer, samples) == 0
+        ledger = engine.execution_contract()["ledger"]
+        modules = ledger["model"]
+        assert modules["architecture"] == "Qwen3MoeForCausalLM" and modules["unpatched"] == []
+        assert modules["installed"]["CustomOp MoERunner"] == "skyrl_isoexec.vllm.moe.IsoExecMoERunner"
+        # 2 layers x (qkv, o) + lm_head: the routers' gates are read by the MoE op, not called.
+        assert modules["op_modules"]["linear"] == 5
+        for op in ("moe_router", "moe_experts", "moe_combine"):
+            assert modules["op_modules"][op] == 2
+            for site in ("engine_prefill", "engine_decode"):
+                assert ledger[f"{op}@{site}"]["calls"].get(f"isoexec.{op}", 0) > 0, (op, site)
+        before = trainer.forward(training_batch(samples))
+        _train_one_step(trainer, samples)
+        assert not torch.equal(before, trainer.forward(training_batch(samples)))  # the weights did change
+        engine.update_weights(trainer.export_weights())
+        assert _differing(trainer, _generate(engine, seed=10, batches=1)) == 0
+    finally:
+        engine.close()
+        trainer.close()
+
+
+def test_moe_refusals_name_each_routing_the_canonical_kernels_do_not_compute():
+    from types import SimpleNamespace
+
+    from skyrl_isoexec.vllm.moe import IsoExecMoERunner, problems
+
+    def runner(**changes):
+        r = torch.nn.Module.__new__(IsoExecMoERunner)
+        torch.nn.Module.__init__(r)
+        weight = torch.zeros(4, 8, 16)
+        settings = dict(
+            _isoexec_moe=True, quant_method=None, scoring_func="softmax", use_grouped_topk=False,
+            custom_routing_function=None, e_score_correction_bias=None, routed_scaling_factor=1.0,
+            activation=SimpleNamespace(value="silu"), moe_config=SimpleNamespace(has_bias=False),
+            apply_router_weight_on_input=False, expert_map=None, local_num_experts=4, global_num_experts=4,
+            w13_weight=weight,
+        )
+        settings.update(changes)
+        r.routed_experts = SimpleNamespace(**settings)
+        r.__dict__.update(_isoexec=True, routed_scaling_factor=1.0, routed_input_transform=None,
+                          routed_output_transform=None, _shared_experts=None, shared_expert_gate=None,
+                          gate=SimpleNamespace(weight=torch.zeros(4, 16)))
+        return r
+
+    assert problems(runner()) == []
+    assert problems(runner(scoring_func="sigmoid")) == ["scoring_func='sigmoid' (the canonical router is a softmax)"]
+    assert problems(runner(use_grouped_topk=True)) == ["grouped or custom top-k routing"]
+    assert problems(runner(e_score_correction_bias=torch.zeros(4))) == ["an expert score correction bias"]
+    assert problems(runner(routed_scaling_factor=2.5)) == ["routed_scaling_factor=2.5"]
+    assert problems(runner(activation=SimpleNamespace(value="gelu"))) == [
+        "activation 'gelu' (the canonical experts compute SiLU(gate) * up)"]
+    assert problems(runner(moe_config=SimpleNamespace(has_bias=True))) == ["expert biases"]
+    assert problems(runner(local_num_experts=2)) == ["expert parallelism (each rank holds some experts)"]
+    bf16_experts = torch.zeros(4, 8, 16, dtype=torch.bfloat16)
+    assert problems(runner(w13_weight=bf16_experts)) == ["a torch.float32 router over torch.bfloat16 experts"]
+    off = runner()
+    off._isoexec = False  # built while IsoExec was off: vLLM's own forward
+    assert problems(off) == ["it is vLLM's IsoExecMoERunner"]

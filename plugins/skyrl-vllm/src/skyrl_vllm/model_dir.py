@@ -98,10 +98,14 @@ def materialize_model(model: ModelConfig, *, seed: int = 0, parent_dir: str | No
 
 
 def checkpoint_shapes(model_dir: str) -> dict[str, tuple[int, ...]]:
-    """Every tensor name in the safetensors checkpoint at ``model_dir`` with its shape (headers only).
+    """Every tensor name the model at ``model_dir`` accepts in a weight update, with its shape.
 
-    With tied input/output embeddings the checkpoint may omit ``lm_head.weight``; it is then added
-    with the embedding's shape, because trainers export it.
+    These are the names in its safetensors checkpoint (headers only) and the names of the
+    transformers model built from its config (on the meta device: no memory), which is what
+    trainers export: transformers >= 5 fuses some checkpoint tensors at load (a MoE's per-expert
+    ``experts.{i}.gate_proj`` / ``up_proj`` become one ``experts.gate_up_proj``) and vLLM's loaders
+    take both forms. With tied input/output embeddings the checkpoint may omit ``lm_head.weight``;
+    it is then added with the embedding's shape, because trainers export it.
     """
     import glob
 
@@ -115,10 +119,26 @@ def checkpoint_shapes(model_dir: str) -> dict[str, tuple[int, ...]]:
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
                 shapes[name] = tuple(f.get_slice(name).get_shape())
+    shapes.update(_transformers_shapes(model_dir))
     embed = shapes.get("model.embed_tokens.weight")
     if embed is not None and "lm_head.weight" not in shapes:
         shapes["lm_head.weight"] = embed
     return shapes
+
+
+def _transformers_shapes(model_dir: str) -> dict[str, tuple[int, ...]]:
+    """The state-dict names and shapes of transformers' model for ``model_dir``'s config (empty when
+    transformers cannot build it: the checkpoint's names then stand alone)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError, ImportError, OSError):
+        return {}
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
 def check_weights(named: list[tuple[str, object]], shapes: dict[str, tuple[int, ...]]) -> None:

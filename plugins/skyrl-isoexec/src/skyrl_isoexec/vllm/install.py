@@ -3,8 +3,8 @@
 Runs from ``skyrl_worker_init(role="engine")``, which skyrl's vLLM bootstrap calls in every vLLM
 process it starts (front-end, engine core, each worker) before any model is built:
 
-1. ``CustomOp.register_oot`` for ``RMSNorm``, ``SiluAndMul`` and ``RotaryEmbedding``
-   (``layers.REPLACEMENTS``);
+1. ``register_oot`` for ``RMSNorm``, ``SiluAndMul`` and ``RotaryEmbedding`` (``layers.REPLACEMENTS``),
+   and for the MoE block's ``MoERunner`` and ``UnquantizedFusedMoEMethod`` (``moe.REPLACEMENTS``);
 2. the unquantized linear / lm_head / embedding methods (``linear.install``);
 3. the ``CPU_ATTN`` attention backend (``attention.install``);
 4. ``Sampler.compute_logprobs`` (``sampler.install``);
@@ -26,17 +26,22 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-from skyrl_isoexec.vllm import attention, checks, layers, linear, runtime, sampler
+from skyrl_isoexec.vllm import attention, checks, layers, linear, moe, runtime, sampler
 
 _installed: dict[str, str] = {}
 _wrapped: dict[tuple[type, str], Callable[..., Any]] = {}
+
+
+def _replacements() -> dict[str, type]:
+    """vLLM class name -> IsoExec's out-of-tree replacement (ops and pluggable layers)."""
+    return {**layers.REPLACEMENTS, **moe.REPLACEMENTS}
 
 
 def _register_custom_ops(strict: bool) -> dict[str, str]:
     from vllm.model_executor.custom_op import CustomOp, op_registry_oot
 
     done = {}
-    for name, cls in layers.REPLACEMENTS.items():
+    for name, cls in _replacements().items():
         current = op_registry_oot.get(name)
         if current is None:
             stock_name = getattr(cls, "name", name)  # inherited from the vLLM class it replaces
@@ -166,7 +171,7 @@ def uninstall() -> None:
     """Restore vLLM's own classes in this process (tests)."""
     from vllm.model_executor.custom_op import op_registry_oot
 
-    for name, cls in layers.REPLACEMENTS.items():
+    for name, cls in _replacements().items():
         if op_registry_oot.get(name) is cls:
             del op_registry_oot[name]
     linear.uninstall()
