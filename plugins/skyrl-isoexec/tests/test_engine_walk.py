@@ -44,6 +44,8 @@ def test_the_walk_computes_the_bits_of_the_patched_modules(family, dtype):
     walk, modules = _engines(family, dtype, on=True)
     assert walk.execution_contract()["implementation"] == "native, installed ops"
     assert walk.native._sites["engine_decode"].fuse_projections  # IsoExec's linear allows fusing
+    # fp32: every GEMM reads a oneDNN-prepacked weight (probed for the same bits); bf16 has none.
+    assert walk.native.prepacked == (2 * 4 + 1 if dtype == "float32" else 0)
     a, b = _generate(walk, True), _generate(modules, True)
     assert [s.token_ids for s in a] == [s.token_ids for s in b]
     assert int((_logprob_bits(a) != _logprob_bits(b)).sum()) == 0

@@ -167,6 +167,28 @@ def test_native_weight_views_follow_update_weights(reference):
     assert torch.equal(fused[q_rows : q_rows + new.shape[0]], new)
 
 
+def _bits(groups) -> torch.Tensor:
+    return torch.tensor([lp for g in groups for s in g for lp in s.logprobs], dtype=torch.float32).view(torch.int32)
+
+
+def test_prepacked_gemm_operands_give_the_plain_weights_bits_and_follow_update_weights(reference):
+    """oneDNN-prepacked weight copies: the same kernel without its per-call reorder, so the same
+    bits; ``update_weights`` renews them (negative control: without that they go stale)."""
+    packed, plain, stale = engine(), engine(prepack_weights=False), engine()
+    assert packed.execution_contract()["prepacked_gemm_operands"] == 2 * 4 + 1  # qkv, o, gate_up, down; lm_head
+    assert plain.execution_contract()["prepacked_gemm_operands"] == 0
+    requests = [request(prompt(5), "a", n=2, max_tokens=8, seed=3), request(prompt(11), "b", max_tokens=8, seed=4)]
+    assert torch.equal(_bits(packed.generate(requests)), _bits(plain.generate(requests)))
+    new = load_causal_lm(MODEL, seed=5)
+    stale.native.repack = lambda: None
+    for eng in (packed, plain, stale):
+        eng.update_weights((n, p.detach()) for n, p in new.named_parameters())
+    after = packed.generate(requests)
+    assert torch.equal(_bits(after), _bits(plain.generate(requests)))
+    assert_logprobs_match(new, [s for g in after for s in g])
+    assert not torch.equal(_bits(stale.generate(requests)), _bits(after))
+
+
 def test_native_refused_for_an_unsupported_architecture():
     gpt2 = ModelConfig(config={"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 2, "vocab_size": 512, "n_positions": 128})
     with pytest.raises(ValueError, match="model_type 'gpt2'"):
@@ -189,7 +211,8 @@ def test_any_causal_lm_runs_through_transformers_modules():
 @pytest.mark.parametrize(
     "field, value, message",
     [("max_num_seqs", 0, "max_num_seqs must be an integer >= 1"), ("implementation", "fast", "implementation must be one of"),
-     ("attention", "flash", "attention must be one of"), ("max_model_len", -1, "max_model_len must be")],
+     ("attention", "flash", "attention must be one of"), ("max_model_len", -1, "max_model_len must be"),
+     ("prepack_weights", "yes", "prepack_weights must be true or false")],
 )
 def test_options_are_validated(field, value, message):
     with pytest.raises(ValueError, match=message):

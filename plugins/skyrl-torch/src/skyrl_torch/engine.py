@@ -124,21 +124,25 @@ class TorchEngine:
         ``generate`` call, so no cached prefix can go stale.
         """
         self._check_open()
-        with torch.no_grad():
-            for name, tensor in named_tensors:
-                target = self._params.get(name)
-                if target is None:
-                    target = self._buffers.get(name)
-                if target is None:
-                    similar = [n for n in self._params if n.endswith(name.split(".")[-1])] or list(self._params)
-                    raise KeyError(
-                        f"update_weights: the model has no parameter or buffer {name!r}; it has e.g. {', '.join(similar[:3])}"
-                    )
-                if tuple(tensor.shape) != tuple(target.shape):
-                    raise ValueError(
-                        f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
-                    )
-                target.copy_(tensor)
+        try:
+            with torch.no_grad():
+                for name, tensor in named_tensors:
+                    target = self._params.get(name)
+                    if target is None:
+                        target = self._buffers.get(name)
+                    if target is None:
+                        similar = [n for n in self._params if n.endswith(name.split(".")[-1])] or list(self._params)
+                        raise KeyError(
+                            f"update_weights: the model has no parameter or buffer {name!r}; it has e.g. {', '.join(similar[:3])}"
+                        )
+                    if tuple(tensor.shape) != tuple(target.shape):
+                        raise ValueError(
+                            f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
+                        )
+                    target.copy_(tensor)
+        finally:  # also after a refused tensor: the ones before it are loaded
+            if self.native is not None:
+                self.native.repack()  # its prepacked GEMM operands are copies of the old weights
 
     def execution_contract(self) -> dict[str, Any]:
         return {
@@ -146,6 +150,7 @@ class TorchEngine:
             "model_dtype": str(self.model.dtype).removeprefix("torch."),
             "implementation": self._implementation_name(),
             "gemm": self.native.gemm if isinstance(self.native, NativeDecoder) else "torch",
+            "prepacked_gemm_operands": 0 if self.native is None else self.native.prepacked,
             "torch": torch.__version__,
         }
 
@@ -432,11 +437,11 @@ class TorchEngine:
         reason = unsupported_reason(self.model)
         if reason is None and _stock_ops(self.ledger):
             use_onednn = self.options.cpu_gemm == "onednn" and self.options.device == "cpu" and onednn_available()
-            return NativeDecoder(self.model, gemm="onednn" if use_onednn else "torch")
+            return NativeDecoder(self.model, gemm="onednn" if use_onednn else "torch", prepack_weights=self.options.prepack_weights)
         if reason is None:
             missing = missing_ops(self.ledger)
             if not missing:
-                return InstalledOpsDecoder(self.model, self.ledger)
+                return InstalledOpsDecoder(self.model, self.ledger, prepack_weights=self.options.prepack_weights)
             reason = f"an op plugin installed some ops but left stock ones at {', '.join(missing[:4])}"
         if choice == "native":
             raise ValueError(f"engine option implementation='native' is not possible for this model: {reason}")

@@ -13,7 +13,10 @@ that decides the bits exactly as in the patched modules:
   declares ``columns_independent`` (each output column's bits do not depend on the other weight
   rows: IsoExec asserts it in ``test_kernels.py``); otherwise one projection per module;
 - every call is observed in the op ledger under the module it stands for, as the patched module
-  would record it, so the fingerprint check sees the same calls.
+  would record it, so the fingerprint check sees the same calls;
+- when the installed linear declares ``onednn_packed_weights`` (it takes weights prepacked by
+  ``skyrl_core.ops.onednn.prepack``), the GEMMs read prepacked copies, each kept only if a probe
+  gives the plain weight's bits (``prepack_if_same_bits``); ``repack`` renews them.
 
 Used only when every op the walk calls has a non-stock implementation at both engine sites; a
 plugin that replaces some ops but not others runs through the patched modules.
@@ -28,9 +31,16 @@ import torch.nn.functional as F
 
 from skyrl_core.ops.install import DEFAULT_IMPLS
 from skyrl_core.ops.ledger import OpLedger
+from skyrl_core.ops.onednn import prepack_if_same_bits
 from skyrl_core.ops.vocabulary import ROLE_SITES, current_site
 from skyrl_torch.kv_cache import SlotKVCache
-from skyrl_torch.native_decoder import SERIAL_ELEMENTWISE_BELOW, LayerWeights, ProjectionThreads, unsupported_reason
+from skyrl_torch.native_decoder import (
+    SERIAL_ELEMENTWISE_BELOW,
+    LayerWeights,
+    ProjectionThreads,
+    pack_gemm_operands,
+    unsupported_reason,
+)
 
 WALKED_OPS = ("embedding", "rope", "rms_norm", "linear", "attention", "silu_mul")
 # Keys/values are read from the slot cache in whole multiples of this many positions (the cache's
@@ -66,7 +76,7 @@ class InstalledOpsDecoder:
     """Forward of ``model`` (patched by ``prepare_model``) over a ``SlotKVCache`` with the ops of
     ``ledger``; returns last-token logits."""
 
-    def __init__(self, model: torch.nn.Module, ledger: OpLedger) -> None:
+    def __init__(self, model: torch.nn.Module, ledger: OpLedger, *, prepack_weights: bool = False) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise NotImplementedError(f"InstalledOpsDecoder cannot run this model: {reason}")
@@ -80,6 +90,19 @@ class InstalledOpsDecoder:
         self.layers = [LayerWeights(layer) for layer in body.layers]
         self._sites = {site: _SiteOps(ledger, site) for site in ENGINE_SITES}
         self._calls = self._calls_per_forward()
+        self._prepack = prepack_weights
+        self.repack()
+
+    def repack(self) -> None:
+        """Renew the GEMM operands from the current weights (call after they change): prepacked
+        copies where every site's linear is one implementation that takes them."""
+        linears = {ops.names["linear"]: ops.linear for ops in self._sites.values()}
+        packer = None
+        if self._prepack and len(linears) == 1:
+            (linear,) = linears.values()
+            if getattr(linear, "onednn_packed_weights", False):
+                packer = lambda weight: prepack_if_same_bits(weight, linear)  # noqa: E731
+        self.lm_head_gemm, self.prepacked = pack_gemm_operands(self.layers, self.lm_head, packer)
 
     def _calls_per_forward(self) -> list[tuple[str, str]]:
         """(op, module name) of every op call one forward makes, as the patched modules make them."""
@@ -127,7 +150,7 @@ class InstalledOpsDecoder:
             x = _norm(ops, h, layer.input_norm)
             threads.parallel()
             if ops.fuse_projections:
-                qkv = ops.linear(x, layer.qkv_weight, layer.qkv_bias)
+                qkv = ops.linear(x, layer.qkv_gemm, layer.qkv_bias)
                 q, k, v = qkv.split((layer.q_size, layer.kv_size, layer.kv_size), dim=-1)
             else:
                 q, k, v = (ops.linear(x, m.weight, m.bias) for m in (attn.q_proj, attn.k_proj, attn.v_proj))
@@ -143,22 +166,22 @@ class InstalledOpsDecoder:
             # (IsoExec's pads query rows and key slots; measured 5% faster per decode step with 2).
             threads.parallel()
             out = ops.attention(q.transpose(1, 2), keys, values, visible, layer.scaling)  # [n, q, H, d]
-            h = h + ops.linear(out.reshape(n, q_len, -1), attn.o_proj.weight, attn.o_proj.bias)
+            h = h + ops.linear(out.reshape(n, q_len, -1), layer.o_gemm, attn.o_proj.bias)
             threads.serial()
             x = _norm(ops, h, layer.post_norm)
             threads.parallel()
             if ops.fuse_projections:
-                gate, up = ops.linear(x, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)
+                gate, up = ops.linear(x, layer.gate_up_gemm, layer.gate_up_bias).chunk(2, dim=-1)
             else:
                 gate, up = ops.linear(x, mlp.gate_proj.weight, mlp.gate_proj.bias), ops.linear(x, mlp.up_proj.weight, mlp.up_proj.bias)
             threads.serial()
             act = ops.silu_mul(gate, up)
             threads.parallel()
-            h = h + ops.linear(act, mlp.down_proj.weight, mlp.down_proj.bias)
+            h = h + ops.linear(act, layer.down_gemm, mlp.down_proj.bias)
         threads.serial()
         last = _norm(ops, h[:, -1], self.final_norm)
         threads.parallel()
-        return ops.linear(last, self.lm_head.weight, self.lm_head.bias)
+        return ops.linear(last, self.lm_head_gemm, self.lm_head.bias)
 
 
 def _norm(ops: _SiteOps, x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:

@@ -93,3 +93,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 # Engines may fuse projections over this linear (see the module docstring; skyrl-torch reads it).
 linear.columns_independent = True
+# In fp32 on CPU it takes weights prepacked by ``onednn.prepack`` (its GEMM is ``onednn.mm_nt``);
+# elsewhere ``prepack`` gives none. Engines still probe each packed weight for the same bits.
+linear.onednn_packed_weights = True

@@ -61,22 +61,13 @@ def _check_dtype(layer: torch.nn.Module) -> None:
         raise ValueError(f"IsoExec: {type(layer).__name__} has {dtype} weights; canonical GEMMs run in {allowed}")
 
 
-# Rows oneDNN is told to expect when reordering a weight (its fp32 layout is the same for any count >= 8).
-_PACK_ROWS_HINT = 64
-_PROBE_ROWS = 16
-
-
 def _prepack(weight: torch.Tensor) -> torch.Tensor | None:
-    """``weight`` ``[N, K]`` reordered once into the layout oneDNN's fp32 GEMM computes from, or
-    None where the canonical GEMM is another one (bf16, not CPU) or a probe's bits differ."""
-    if (weight.device.type != "cpu" or weight.dtype != torch.float32 or not onednn.available()
-            or weight.shape[0] < LINEAR_MIN_COLUMNS):
+    """``weight`` ``[N, K]`` prepacked for oneDNN when the canonical linear gives the same bits from
+    it (``onednn.prepack_if_same_bits``); None where the canonical GEMM is another one (bf16, not
+    CPU), pads the weight (fewer than ``LINEAR_MIN_COLUMNS`` rows) or a probe's bits differ."""
+    if weight.shape[0] < LINEAR_MIN_COLUMNS:
         return None
-    weight = weight.detach().contiguous()
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS_HINT)
-    probe = torch.randn(_PROBE_ROWS, weight.shape[1], generator=torch.Generator().manual_seed(0))
-    same = torch.equal(canonical.linear(probe, packed).view(torch.int32), canonical.linear(probe, weight).view(torch.int32))
-    return packed if same else None
+    return onednn.prepack_if_same_bits(weight, canonical.linear)
 
 
 def _built_canonical(layer: torch.nn.Module) -> bool:
