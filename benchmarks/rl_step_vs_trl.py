@@ -30,6 +30,7 @@ import importlib.util
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -228,11 +229,20 @@ def main() -> None:
         print(json.dumps(worker(args.worker, args)), flush=True)
         return
 
-    from skyrl_core.data import write_jsonl
     from skyrl_core.models import prepare_smollm2
 
     args.model_dir = str(prepare_smollm2())
+    # Both trainers write checkpoints (about 3 GB per run): removed however the run ends.
     work = tempfile.mkdtemp(prefix="skyrl-bench-trl-")
+    try:
+        _compare(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _compare(args: argparse.Namespace, work: str) -> None:
+    from skyrl_core.data import write_jsonl
+
     rows = problems(PROMPTS_PER_STEP * args.steps * args.rounds * 2, seed=0)
     data_path = str(write_jsonl(rows, os.path.join(work, "train.jsonl")))
     print(f"SmolLM2-135M-Instruct fp32, {PROMPTS_PER_STEP} prompts x {SAMPLES_PER_PROMPT} samples, "
