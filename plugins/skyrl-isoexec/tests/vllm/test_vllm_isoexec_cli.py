@@ -27,7 +27,7 @@ def _verify(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, int, int
     return result, int(summary.group(1)), int(summary.group(2))
 
 
-@pytest.mark.parametrize("preset", ["qwen3", "llama", "qwen3-moe"])
+@pytest.mark.parametrize("preset", ["qwen3", "llama", "qwen3-moe", "qwen3-next"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_verify_with_vllm_reports_zero_differing_tokens(tmp_path, preset, dtype):
     result, differing, tokens = _verify(tmp_path, "--preset", preset, "--dtype", dtype)
@@ -38,7 +38,7 @@ def test_verify_with_vllm_reports_zero_differing_tokens(tmp_path, preset, dtype)
     assert "contract:" not in result.stdout  # no handshake problem, fingerprints included
 
 
-@pytest.mark.parametrize(("preset", "dtype"), [("qwen3", "float32"), ("llama", "bfloat16"), ("qwen3-moe", "float32")])
+@pytest.mark.parametrize(("preset", "dtype"), [("qwen3", "float32"), ("llama", "bfloat16"), ("qwen3-moe", "float32"), ("qwen3-next", "bfloat16")])
 def test_verify_off_shows_the_native_vllm_mismatch(tmp_path, preset, dtype):
     result, differing, tokens = _verify(tmp_path, "--preset", preset, "--dtype", dtype, "--off")
     assert result.returncode == 1 and 0 < differing <= tokens, result.stdout

@@ -49,7 +49,7 @@ def _differing(model: ModelConfig, on: bool, tmp_path, monkeypatch) -> tuple[int
     return together.differing + reversed_.differing, together.tokens
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3-moe"])
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3-moe", "qwen3-next"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cuda_vllm_logprobs_are_the_cuda_trainers_bits(family, dtype, tmp_path, monkeypatch):
     differing, tokens = _differing(ModelConfig(config=preset(family), dtype=dtype), True, tmp_path, monkeypatch)

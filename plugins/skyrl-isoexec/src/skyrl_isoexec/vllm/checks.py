@@ -12,7 +12,7 @@ import os
 from typing import Any
 
 # vLLM architectures whose every op has a canonical implementation inside vLLM.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM")
 
 PREFIX = "IsoExec cannot make vLLM bitwise identical to the trainer"
 
@@ -23,6 +23,15 @@ class IsoExecRefusal(ValueError):
     def __init__(self, problems: list[str]) -> None:
         self.problems = problems
         super().__init__(f"{PREFIX}: " + "; ".join(problems))
+
+
+def set_canonical_defaults(vllm_config: Any) -> None:
+    """Settings left to vLLM (``auto``) that the canonical ops need, set in the front-end's config
+    (which the engine processes receive): a GatedDeltaNet model's recurrent state cache in fp32
+    (the canonical delta rule carries an fp32 state; vLLM's ``auto`` is the model dtype)."""
+    cache = vllm_config.cache_config
+    if getattr(cache, "mamba_ssm_cache_dtype", None) == "auto":
+        cache.mamba_ssm_cache_dtype = "float32"
 
 
 def config_problems(vllm_config: Any) -> list[str]:
@@ -49,6 +58,10 @@ def config_problems(vllm_config: Any) -> list[str]:
             f"architecture {', '.join(unsupported or ['(none)'])} has no canonical ops inside vLLM "
             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
+    ssm_dtype = getattr(vllm_config.cache_config, "mamba_ssm_cache_dtype", "float32")
+    if ssm_dtype not in ("float32", "auto"):
+        problems.append(f"mamba_ssm_cache_dtype={ssm_dtype!r} keeps GatedDeltaNet's recurrent state in another dtype "
+                        "than the trainer's fp32 (use float32 or auto)")
     cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
     if cache_dtype not in ("auto", None):
         problems.append(f"kv_cache_dtype={cache_dtype!r} stores keys and values in another dtype than the model's")
@@ -125,18 +138,29 @@ def inspect_model(model: Any) -> tuple[dict[str, int], list[str], list[str]]:
     from skyrl_isoexec.vllm.attention import IsoExecAttentionImpl, IsoExecCPUAttentionImpl
     from vllm.model_executor.layers.fused_moe.runner.moe_runner_interface import MoERunnerInterface
 
-    from skyrl_isoexec.vllm import moe
-    from skyrl_isoexec.vllm.layers import IsoExecRMSNorm, IsoExecRotaryEmbedding, IsoExecSiluAndMul
+    from skyrl_isoexec.vllm import gdn, moe
+    from skyrl_isoexec.vllm.layers import (
+        IsoExecGemmaRMSNorm,
+        IsoExecRMSNorm,
+        IsoExecRMSNormGated,
+        IsoExecRotaryEmbedding,
+        IsoExecSiluAndMul,
+    )
 
     counts: dict[str, int] = {}
     patched: list[str] = []
     unpatched: list[str] = []
     inside: list[str] = []  # a canonical rotary or MoE module's own helpers are never called
-    # A canonical MoE computes its router's GEMM from its gate's weight (as the trainer's router
-    # does), so the gate module, a sibling of the experts in vLLM's block, is never called.
-    moe_gates = {
+    # Modules a canonical op stands for without calling them: a MoE's gate (its weight is the
+    # router's GEMM, as the trainer's router computes it; a sibling of the experts in vLLM's block),
+    # a GatedDeltaNet's conv1d (the canonical causal conv's taps) and its chunked delta-rule op.
+    covered = {
         id(m.gate) for m in model.modules()
         if isinstance(m, MoERunnerInterface) and getattr(m, "gate", None) is not None and not moe.problems(m)
+    } | {
+        id(child) for m in model.modules()
+        if isinstance(m, gdn.IsoExecQwenGatedDeltaNetAttention) and not gdn.problems(m)
+        for child in (m.conv1d, getattr(m, "chunk_gated_delta_rule", None)) if child is not None
     }
 
     def count(*ops: str) -> None:
@@ -147,16 +171,22 @@ def inspect_model(model: Any) -> tuple[dict[str, int], list[str], list[str]]:
 
     for qualname, module in model.named_modules():
         name = f"{qualname or '<model>'} ({type(module).__name__})"
-        if any(qualname.startswith(prefix + ".") for prefix in inside) or id(module) in moe_gates:
+        if any(qualname.startswith(prefix + ".") for prefix in inside) or id(module) in covered:
             continue
         canonical = getattr(module, "_isoexec", False)
-        if isinstance(module, IsoExecRMSNorm) and canonical:
+        if isinstance(module, (IsoExecRMSNorm, IsoExecGemmaRMSNorm, IsoExecRMSNormGated)) and canonical:
             count("rms_norm")
         elif isinstance(module, IsoExecSiluAndMul) and canonical:
             count("silu_mul")
         elif isinstance(module, IsoExecRotaryEmbedding) and canonical:
             count("rope")
             inside.append(qualname)
+        elif isinstance(module, gdn.GatedDeltaNetAttention):
+            reasons = gdn.problems(module)
+            if reasons:
+                unpatched.append(f"{name}: {'; '.join(reasons)}")
+            else:
+                count("gdn_conv", "gdn_core")
         elif isinstance(module, MoERunnerInterface):
             reasons = moe.problems(module)
             if reasons:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-from skyrl_isoexec.vllm import attention, checks, layers, linear, moe, runtime, sampler
+from skyrl_isoexec.vllm import attention, checks, gdn, layers, linear, moe, runtime, sampler
 
 _installed: dict[str, str] = {}
 _wrapped: dict[tuple[type, str], Callable[..., Any]] = {}
@@ -34,7 +34,7 @@ _wrapped: dict[tuple[type, str], Callable[..., Any]] = {}
 
 def _replacements() -> dict[str, type]:
     """vLLM class name -> IsoExec's out-of-tree replacement (ops and pluggable layers)."""
-    return {**layers.REPLACEMENTS, **moe.REPLACEMENTS}
+    return {**layers.REPLACEMENTS, **moe.REPLACEMENTS, **gdn.REPLACEMENTS}
 
 
 def _register_custom_ops(strict: bool) -> dict[str, str]:
@@ -72,6 +72,7 @@ def _wrap_create_engine_config(original: Callable[..., Any]) -> Callable[..., An
     def create_engine_config(self, *args, **kwargs):
         config = original(self, *args, **kwargs)
         if runtime.active():
+            checks.set_canonical_defaults(config)
             _refuse_config(config)
         return config
 

