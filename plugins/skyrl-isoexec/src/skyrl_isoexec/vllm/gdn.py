@@ -59,6 +59,11 @@ class IsoExecQwenGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         meta = metadata[self.prefix]
         if meta.num_spec_decodes:
             raise ValueError("IsoExec: speculative decoding has no canonical GatedDeltaNet path")
+        if getattr(meta, "checkpoint", None) is not None:
+            raise ValueError(
+                "IsoExec: vLLM asked for GatedDeltaNet state checkpoints inside prefills (prefix caching of "
+                "recurrent states), which the canonical path does not write; disable enable_prefix_caching"
+            )
         runtime.observe("gdn_conv", self)
         runtime.observe("gdn_core", self)
         starts = meta.non_spec_query_start_loc.tolist()
