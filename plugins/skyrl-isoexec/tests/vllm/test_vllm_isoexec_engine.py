@@ -258,6 +258,40 @@ def test_moe_routes_through_the_canonical_kernels_and_follows_a_weight_update():
         trainer.close()
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_gated_delta_net_hybrid_keeps_the_bits_across_steps_and_a_weight_update(dtype):
+    """Qwen3-Next: GatedDeltaNet layers over vLLM's state cache (prefills, decodes, slots reused by
+    later requests), Gemma norms, gated attention, shared experts; after an optimizer step and an
+    in-place update (fp32 master weights: A_log and dt_bias, which vLLM keeps in fp32, enter in the
+    model dtype) still the trainer's bits."""
+    model = ModelConfig(config=preset("qwen3-next"), dtype=dtype)
+    with state.enabled_scope(True):
+        trainer = build_runtime(
+            "training_backend", "fsdp",
+            {"world_size": 1, "device": "cpu", "mixed_precision": "bf16" if dtype == "bfloat16" else "fp32"},
+            model, seed=0, trainer=TrainerConfig(micro_batch_size=3),
+        )
+    engine = _engine(True, trainer, model)
+    try:
+        samples = _generate(engine, seed=11, batches=3)
+        assert _differing(trainer, samples) == 0
+        ledger = engine.execution_contract()["ledger"]
+        modules = ledger["model"]
+        assert modules["architecture"] == "Qwen3NextForCausalLM" and modules["unpatched"] == []
+        assert modules["op_modules"]["gdn_core"] == modules["op_modules"]["gdn_conv"] == 1  # one linear-attention layer
+        for op in ("gdn_conv", "gdn_core", "moe_combine"):
+            for site in ("engine_prefill", "engine_decode"):
+                assert ledger[f"{op}@{site}"]["calls"].get(f"isoexec.{op}", 0) > 0, (op, site)
+        before = trainer.forward(training_batch(samples))
+        _train_one_step(trainer, samples)
+        assert not torch.equal(before, trainer.forward(training_batch(samples)))  # the weights did change
+        engine.update_weights(trainer.export_weights())
+        assert _differing(trainer, _generate(engine, seed=12, batches=2)) == 0
+    finally:
+        engine.close()
+        trainer.close()
+
+
 def test_moe_refusals_name_each_routing_the_canonical_kernels_do_not_compute():
     from types import SimpleNamespace
 
