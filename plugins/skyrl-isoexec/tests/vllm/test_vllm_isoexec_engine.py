@@ -271,7 +271,8 @@ def test_gated_delta_net_hybrid_keeps_the_bits_across_steps_and_a_weight_update(
             {"world_size": 1, "device": "cpu", "mixed_precision": "bf16" if dtype == "bfloat16" else "fp32"},
             model, seed=0, trainer=TrainerConfig(micro_batch_size=3),
         )
-    engine = _engine(True, trainer, model)
+    # Two sequences at a time: later requests are prefilled in the steps that decode earlier ones.
+    engine = _engine(True, trainer, model, max_num_seqs=2)
     try:
         samples = _generate(engine, seed=11, batches=3)
         assert _differing(trainer, samples) == 0

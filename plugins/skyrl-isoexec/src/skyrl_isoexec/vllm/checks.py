@@ -131,14 +131,13 @@ def inspect_model(model: Any) -> tuple[dict[str, int], list[str], list[str]]:
     """
     from vllm.model_executor.custom_op import CustomOp, PluggableLayer
     from vllm.model_executor.layers.attention import Attention
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner_interface import MoERunnerInterface
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
-    from skyrl_isoexec.vllm.attention import IsoExecAttentionImpl, IsoExecCPUAttentionImpl
-    from vllm.model_executor.layers.fused_moe.runner.moe_runner_interface import MoERunnerInterface
-
     from skyrl_isoexec.vllm import gdn, moe
+    from skyrl_isoexec.vllm.attention import IsoExecAttentionImpl, IsoExecCPUAttentionImpl
     from skyrl_isoexec.vllm.layers import (
         IsoExecGemmaRMSNorm,
         IsoExecRMSNorm,
