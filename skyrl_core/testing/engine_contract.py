@@ -124,6 +124,15 @@ def full_forward_logprobs(model: torch.nn.Module, prompt: Sequence[int], tokens:
     return logp[positions, torch.tensor(list(tokens), dtype=torch.long)]
 
 
+def worst_logprob_error(model: torch.nn.Module, groups: Sequence[Sequence[Any]]) -> float:
+    """Largest |engine logprob - ``full_forward_logprobs``| over every sample of ``generate``'s groups."""
+    return max(
+        float((torch.tensor(s.logprobs) - full_forward_logprobs(model, s.prompt_token_ids, s.token_ids)).abs().max())
+        for group in groups
+        for s in group
+    )
+
+
 def argmax_decode(model: torch.nn.Module, prompt: Sequence[int], max_tokens: int) -> list[int]:
     """Greedy decoding by a full forward per token (no cache): the reference for temperature 0."""
     tokens: list[int] = []

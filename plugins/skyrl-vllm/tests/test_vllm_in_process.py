@@ -20,13 +20,9 @@ SCRIPT = r"""
 import json, os, torch
 from skyrl_core.config.schema import ModelConfig
 from skyrl_core.models import load_causal_lm
-from skyrl_core.testing.engine_contract import TINY_QWEN3, CONTRACT_PROMPTS, full_forward_logprobs, request
+from skyrl_core.testing.engine_contract import TINY_QWEN3, CONTRACT_PROMPTS, worst_logprob_error as worst, request
 from skyrl_vllm.engine import VLLMEngine
 from skyrl_vllm.options import VLLMOptions
-
-def worst(model, groups):
-    return max((torch.tensor(s.logprobs) - full_forward_logprobs(model, s.prompt_token_ids, s.token_ids)).abs().max().item()
-               for g in groups for s in g)
 
 if __name__ == "__main__":
     torch.set_num_threads(2)

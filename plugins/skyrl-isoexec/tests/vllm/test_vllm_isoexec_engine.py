@@ -40,9 +40,10 @@ def vllm_env(tmp_path_factory):
 
 
 def _trainer(on: bool, model: ModelConfig = MODEL):
+    precision = "bf16" if model.dtype == "bfloat16" else "fp32"
     with state.enabled_scope(on):
         return build_runtime(
-            "training_backend", "fsdp", {"world_size": 1, "device": "cpu", "mixed_precision": "fp32"},
+            "training_backend", "fsdp", {"world_size": 1, "device": "cpu", "mixed_precision": precision},
             model, seed=0, trainer=TrainerConfig(micro_batch_size=3),
         )
 
@@ -137,9 +138,7 @@ def test_attestation_reports_what_ran_at_each_site_and_the_handshake_agrees(trai
     assert model["installed"]["AttentionBackendEnum.CPU_ATTN"] == "skyrl_isoexec.vllm.attention.IsoExecCPUBackend"
     assert model["installed"]["CustomOp RMSNorm"] == "skyrl_isoexec.vllm.layers.IsoExecRMSNorm"
     assert model["unrun_modules"] == {}
-    for op in ("embedding", "linear", "rms_norm", "rope", "attention", "silu_mul", "logprobs"):
-        for site in ("engine_prefill", "engine_decode"):
-            assert ledger[f"{op}@{site}"]["calls"].get(f"isoexec.{op}", 0) > 0, (op, site)
+    _assert_ran_at_both_engine_sites(ledger, ("embedding", "linear", "rms_norm", "rope", "attention", "silu_mul", "logprobs"))
     # 2 layers x (qkv, o, gate_up, down) + lm_head; q/k norms, 2 per layer, the final norm.
     assert model["op_modules"]["linear"] == 9 and model["op_modules"]["rms_norm"] == 9
 
@@ -194,19 +193,29 @@ def test_merged_projections_run_as_one_gemm_each(engine_on, monkeypatch):
 
 
 def test_weight_update_in_place_keeps_the_bits(trainer_on, engine_on):
-    samples = _generate(engine_on, seed=4, batches=1)
-    before = trainer_on.forward(training_batch(samples))
-    _train_one_step(trainer_on, samples)
-    after = trainer_on.forward(training_batch(samples))
-    assert not torch.equal(before, after)  # the weights did change
-    engine_on.update_weights(trainer_on.export_weights())
-    assert _differing(trainer_on, _generate(engine_on, seed=4, batches=1)) == 0
+    _assert_follows_a_training_step(trainer_on, engine_on, _generate(engine_on, seed=4, batches=1), seed=4)
 
 
 def _train_one_step(trainer, samples) -> None:
     batch = training_batch(samples)
     trainer.forward_backward(batch, lambda logprobs, micro, **_: (-(logprobs * micro.loss_mask).sum(), {}))
     trainer.optim_step()
+
+
+def _assert_follows_a_training_step(trainer, engine, samples, seed: int, batches: int = 1) -> None:
+    """One optimizer step changes the trainer's logprobs; after an in-place update the engine's
+    rollouts are the trainer's bits again."""
+    before = trainer.forward(training_batch(samples))
+    _train_one_step(trainer, samples)
+    assert not torch.equal(before, trainer.forward(training_batch(samples)))  # the weights did change
+    engine.update_weights(trainer.export_weights())
+    assert _differing(trainer, _generate(engine, seed=seed, batches=batches)) == 0
+
+
+def _assert_ran_at_both_engine_sites(ledger, ops) -> None:
+    for op in ops:
+        for site in ("engine_prefill", "engine_decode"):
+            assert ledger[f"{op}@{site}"]["calls"].get(f"isoexec.{op}", 0) > 0, (op, site)
 
 
 def test_tied_lm_head_follows_a_weight_update():
@@ -217,12 +226,7 @@ def test_tied_lm_head_follows_a_weight_update():
     engine = _engine(True, trainer, model)
     try:
         assert "lm_head" in engine.execution_contract()["ledger"]["model"]["prepacked_linear"]
-        samples = _generate(engine, seed=7, batches=1)
-        before = trainer.forward(training_batch(samples))
-        _train_one_step(trainer, samples)
-        assert not torch.equal(before, trainer.forward(training_batch(samples)))  # the weights did change
-        engine.update_weights(trainer.export_weights())
-        assert _differing(trainer, _generate(engine, seed=8, batches=1)) == 0
+        _assert_follows_a_training_step(trainer, engine, _generate(engine, seed=7, batches=1), seed=8)
     finally:
         engine.close()
         trainer.close()
@@ -244,15 +248,9 @@ def test_moe_routes_through_the_canonical_kernels_and_follows_a_weight_update():
         assert modules["installed"]["CustomOp MoERunner"] == "skyrl_isoexec.vllm.moe.IsoExecMoERunner"
         # 2 layers x (qkv, o) + lm_head: the routers' gates are read by the MoE op, not called.
         assert modules["op_modules"]["linear"] == 5
-        for op in ("moe_router", "moe_experts", "moe_combine"):
-            assert modules["op_modules"][op] == 2
-            for site in ("engine_prefill", "engine_decode"):
-                assert ledger[f"{op}@{site}"]["calls"].get(f"isoexec.{op}", 0) > 0, (op, site)
-        before = trainer.forward(training_batch(samples))
-        _train_one_step(trainer, samples)
-        assert not torch.equal(before, trainer.forward(training_batch(samples)))  # the weights did change
-        engine.update_weights(trainer.export_weights())
-        assert _differing(trainer, _generate(engine, seed=10, batches=1)) == 0
+        assert [modules["op_modules"][op] for op in ("moe_router", "moe_experts", "moe_combine")] == [2, 2, 2]
+        _assert_ran_at_both_engine_sites(ledger, ("moe_router", "moe_experts", "moe_combine"))
+        _assert_follows_a_training_step(trainer, engine, samples, seed=10)
     finally:
         engine.close()
         trainer.close()
@@ -265,12 +263,7 @@ def test_gated_delta_net_hybrid_keeps_the_bits_across_steps_and_a_weight_update(
     in-place update (fp32 master weights: A_log and dt_bias, which vLLM keeps in fp32, enter in the
     model dtype) still the trainer's bits."""
     model = ModelConfig(config=preset("qwen3-next"), dtype=dtype)
-    with state.enabled_scope(True):
-        trainer = build_runtime(
-            "training_backend", "fsdp",
-            {"world_size": 1, "device": "cpu", "mixed_precision": "bf16" if dtype == "bfloat16" else "fp32"},
-            model, seed=0, trainer=TrainerConfig(micro_batch_size=3),
-        )
+    trainer = _trainer(True, model)
     # Two sequences at a time: later requests are prefilled in the steps that decode earlier ones.
     engine = _engine(True, trainer, model, max_num_seqs=2)
     try:
@@ -280,14 +273,8 @@ def test_gated_delta_net_hybrid_keeps_the_bits_across_steps_and_a_weight_update(
         modules = ledger["model"]
         assert modules["architecture"] == "Qwen3NextForCausalLM" and modules["unpatched"] == []
         assert modules["op_modules"]["gdn_core"] == modules["op_modules"]["gdn_conv"] == 1  # one linear-attention layer
-        for op in ("gdn_conv", "gdn_core", "moe_combine"):
-            for site in ("engine_prefill", "engine_decode"):
-                assert ledger[f"{op}@{site}"]["calls"].get(f"isoexec.{op}", 0) > 0, (op, site)
-        before = trainer.forward(training_batch(samples))
-        _train_one_step(trainer, samples)
-        assert not torch.equal(before, trainer.forward(training_batch(samples)))  # the weights did change
-        engine.update_weights(trainer.export_weights())
-        assert _differing(trainer, _generate(engine, seed=12, batches=2)) == 0
+        _assert_ran_at_both_engine_sites(ledger, ("gdn_conv", "gdn_core", "moe_combine"))
+        _assert_follows_a_training_step(trainer, engine, samples, seed=12, batches=2)
     finally:
         engine.close()
         trainer.close()

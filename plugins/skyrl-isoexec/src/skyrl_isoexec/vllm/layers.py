@@ -39,10 +39,16 @@ class IsoExecRMSNorm(RMSNorm):
             raise ValueError("IsoExec: RMSNorm over a partial hidden size (var_hidden_size) has no canonical op")
         runtime.observe("rms_norm", self)
         weight = self.weight if self.has_weight else torch.ones_like(self.weight)
-        if residual is None:
-            return elementwise.rms_norm(x, weight, float(self.variance_epsilon))
-        summed = residual + x  # rounded to the model dtype, as transformers' residual add
-        return elementwise.rms_norm(summed, weight, float(self.variance_epsilon)), summed
+        return _norm_after_residual(x, residual, weight, float(self.variance_epsilon), False)
+
+
+def _norm_after_residual(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, unit_offset: bool):
+    """vLLM's fused residual-add norm as the trainer computes it: ``residual + x`` rounded to the
+    model dtype first (transformers' residual add), then the canonical norm; ``(normed, summed)``."""
+    if residual is None:
+        return elementwise.rms_norm(x, weight, eps, unit_offset)
+    summed = residual + x
+    return elementwise.rms_norm(summed, weight, eps, unit_offset), summed
 
 
 class IsoExecGemmaRMSNorm(GemmaRMSNorm):
@@ -57,11 +63,7 @@ class IsoExecGemmaRMSNorm(GemmaRMSNorm):
         if not self._isoexec:
             return super().forward(x, residual)
         runtime.observe("rms_norm", self)
-        eps = float(self.variance_epsilon)
-        if residual is None:
-            return elementwise.rms_norm(x, self.weight, eps, True)
-        summed = residual + x
-        return elementwise.rms_norm(summed, self.weight, eps, True), summed
+        return _norm_after_residual(x, residual, self.weight, float(self.variance_epsilon), True)
 
 
 class IsoExecRMSNormGated(RMSNormGated):
