@@ -31,11 +31,7 @@ from skyrl_isoexec.kernels import gdn as canonical
 from skyrl_isoexec.vllm import runtime
 
 
-class IsoExecQwenGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._isoexec = runtime.active()
-
+class IsoExecQwenGatedDeltaNetAttention(runtime.DecidedAtBuild, QwenGatedDeltaNetAttention):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if not self._isoexec:
             return super().forward(hidden_states)

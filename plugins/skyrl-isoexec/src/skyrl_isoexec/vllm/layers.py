@@ -27,11 +27,7 @@ from skyrl_isoexec.kernels import elementwise
 from skyrl_isoexec.vllm import runtime
 
 
-class IsoExecRMSNorm(RMSNorm):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._isoexec = runtime.active()
-
+class IsoExecRMSNorm(runtime.DecidedAtBuild, RMSNorm):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if not self._isoexec:
             return super().forward(x, residual)
@@ -51,13 +47,9 @@ def _norm_after_residual(x: torch.Tensor, residual: torch.Tensor | None, weight:
     return elementwise.rms_norm(summed, weight, eps, unit_offset), summed
 
 
-class IsoExecGemmaRMSNorm(GemmaRMSNorm):
+class IsoExecGemmaRMSNorm(runtime.DecidedAtBuild, GemmaRMSNorm):
     """Qwen3-Next's norms (``x * (1 + weight)``): ``rms_norm`` with ``unit_offset``, residual add
     rounded first as in ``IsoExecRMSNorm``."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._isoexec = runtime.active()
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if not self._isoexec:
@@ -66,12 +58,11 @@ class IsoExecGemmaRMSNorm(GemmaRMSNorm):
         return _norm_after_residual(x, residual, self.weight, float(self.variance_epsilon), True)
 
 
-class IsoExecRMSNormGated(RMSNormGated):
+class IsoExecRMSNormGated(runtime.DecidedAtBuild, RMSNormGated):
     """GatedDeltaNet's output norm: ``rms_norm(x) * silu(z)`` (norm before gate, one group)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._isoexec = runtime.active()
         if self._isoexec and (self.group_size not in (None, self.weight.shape[-1]) or not self.norm_before_gate
                               or self.activation not in ("silu", "swish")):
             raise ValueError(
@@ -86,11 +77,7 @@ class IsoExecRMSNormGated(RMSNormGated):
         return elementwise.rms_norm(x, self.weight, float(self.eps), False, z)
 
 
-class IsoExecSiluAndMul(SiluAndMul):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._isoexec = runtime.active()
-
+class IsoExecSiluAndMul(runtime.DecidedAtBuild, SiluAndMul):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self._isoexec:
             return super().forward(x)
@@ -109,10 +96,9 @@ def _swap_halves(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((x[..., half:], x[..., :half]), dim=-1)
 
 
-class IsoExecRotaryEmbedding(RotaryEmbedding):
+class IsoExecRotaryEmbedding(runtime.DecidedAtBuild, RotaryEmbedding):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._isoexec = runtime.active()
         if self._isoexec and not self.is_neox_style:
             raise ValueError(
                 "IsoExec: interleaved (GPT-J style) rotary embeddings have no canonical op; "

@@ -36,11 +36,7 @@ from skyrl_isoexec.kernels import moe as canonical
 from skyrl_isoexec.vllm import runtime
 
 
-class IsoExecUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._isoexec = runtime.active()
-
+class IsoExecUnquantizedFusedMoEMethod(runtime.DecidedAtBuild, UnquantizedFusedMoEMethod):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         if not self._isoexec:
             return super().process_weights_after_loading(layer)
@@ -51,11 +47,7 @@ class IsoExecUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
         layer._isoexec_moe = True  # plain [E, 2I, H] and [E, H, I] weights, as loaded
 
 
-class IsoExecMoERunner(MoERunner):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._isoexec = runtime.active()
-
+class IsoExecMoERunner(runtime.DecidedAtBuild, MoERunner):
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         experts = self.routed_experts
         if not (self._isoexec and getattr(experts, "_isoexec_moe", False)):

@@ -62,3 +62,12 @@ def observe(op: str, module: object = None) -> None:
 
         step_ledger, site = _step
         step_ledger.observe(op, site, CANONICAL[op].name, getattr(module, "_isoexec_name", None))
+
+
+class DecidedAtBuild:
+    """Mixin of IsoExec's replacements for vLLM classes: ``_isoexec`` records whether IsoExec was on
+    when the module was built, which decides for the module's life (off: vLLM's own code runs)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._isoexec = active()
