@@ -13,11 +13,9 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-from skyrl_core.ops.install import DEFAULT_IMPLS
 from skyrl_core.ops.ledger import OpLedger
+from skyrl_core.ops.stock import DEFAULT_IMPLS, UNSCOPED
 from skyrl_core.ops.vocabulary import current_site
-
-UNSCOPED = "unscoped"
 
 
 class OpDispatch:

@@ -38,8 +38,9 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from skyrl_core.ops.dispatch import UNSCOPED, OpDispatch, PatchRecord, attach_dispatch, patch_forward
+from skyrl_core.ops.dispatch import OpDispatch, PatchRecord, attach_dispatch, patch_forward
 from skyrl_core.ops.ledger import OpLedger
+from skyrl_core.ops.stock import UNSCOPED
 
 __all__ = ["ATTENTION_NAME", "UNSCOPED", "OpDispatch", "patch_hf_model"]
 

@@ -1,27 +1,25 @@
-"""Installing ops through the ``skyrl_install_op`` hook, and the default implementations."""
+"""Installing ops through the ``skyrl_install_op`` hook (``install_op``, ``prepare_model``) and the
+runtimes' logprob entry point (``token_logprobs``).
+
+Module layering inside ``skyrl_core.ops`` (no cycles; ``tests/core/test_ops_imports.py``):
+``vocabulary``, ``ledger``, ``stock`` are leaves; ``dispatch`` reads ``stock``; the model patchers
+(``hf``) build on ``dispatch``; this module sits on top and imports the default patcher.
+"""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
+from skyrl_core.ops.hf import patch_hf_model
 from skyrl_core.ops.ledger import OpLedger
+from skyrl_core.ops.stock import DEFAULT_IMPLS, UNSCOPED
 from skyrl_core.ops.vocabulary import OPS, ROLE_SITES, SITES, current_site
 from skyrl_core.plugins.records import OpImplSpec
 
 if TYPE_CHECKING:
     import torch
 
-# The stock implementation of every op: what transformers / torch do by themselves.
-DEFAULT_IMPLS: dict[str, OpImplSpec] = {
-    op: OpImplSpec(
-        name=f"torch.{op}",
-        op=op,
-        factory=f"skyrl_core.ops.defaults:{op}",
-        version="1",
-        description=f"stock PyTorch/transformers {op}",
-    )
-    for op in OPS
-}
+__all__ = ["DEFAULT_IMPLS", "install_op", "prepare_model", "token_logprobs"]
 
 
 def install_op(op: str, site: str, impl: OpImplSpec | None = None, *, plugin_manager: Any = None) -> OpImplSpec:
@@ -67,10 +65,7 @@ def prepare_model(
         ledger.meta.update(architecture=type(model).__name__.removeprefix("FSDP"), dtype=str(dtype).removeprefix("torch."))
         stock = all(impl.name == DEFAULT_IMPLS[impl.op].name for impl in ledger.declared.values())
         if not stock:
-            if patcher is None:
-                from skyrl_core.ops.hf import patch_hf_model as patcher
-
-            patcher(model, ledger)
+            (patcher or patch_hf_model)(model, ledger)
         model._skyrl_op_ledger = ledger
     if compute_dtype is not None:
         ledger.meta["dtype"] = str(compute_dtype).removeprefix("torch.")
@@ -86,8 +81,6 @@ def token_logprobs(
     Pass raw model logits and the temperature, never pre-scaled logits: the implementation owns the
     scaling (in fp32), so that every runtime rounds the same way.
     """
-    from skyrl_core.ops.hf import UNSCOPED
-
     site = current_site()
     impl = ledger.impl("logprobs", site) if (ledger is not None and site is not None) else None
     stock = impl is None or impl.name == DEFAULT_IMPLS["logprobs"].name
