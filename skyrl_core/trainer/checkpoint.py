@@ -1,15 +1,20 @@
-"""Checkpoints of a run: the backend's state plus the trainer's, written atomically.
+"""Checkpoints of a run: the backend's state plus the trainer's, written atomically, read without pickle.
 
 Layout (``<output_dir>/checkpoints/``)::
 
     step_000004/
         backend/             whatever TrainingBackend.save_checkpoint writes (weights, optimizer, RNG)
-        trainer_state.json   step, data position, KL coefficient, metrics history
-        rng.pt               this process's Python, NumPy and torch RNG states
+        trainer_state.json   format, step, data position, KL coefficient, metrics history
+        rng.safetensors      this process's Python, NumPy and torch RNG states (``skyrl_core.state_file``)
     latest                   the name of the newest complete checkpoint
 
-A checkpoint directory appears only once complete (written under a temporary name, then renamed),
-so a run killed while checkpointing leaves the previous checkpoint as the latest.
+Guarantees (see docs/training.md, "Checkpoints"):
+- a checkpoint directory appears only once complete (written under a temporary name, then renamed),
+  so a run killed while checkpointing leaves the previous checkpoint as the latest; the temporaries
+  such a kill leaves are removed when the next run starts in that directory;
+- reading a checkpoint runs no code: JSON and safetensors only, never pickle;
+- files and directories get the modes ordinary files get (0644 / 0755 under the usual umask 022);
+- a checkpoint of another format is refused with a message saying which format it is.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import tempfile
 from typing import Any
@@ -24,9 +30,14 @@ from typing import Any
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"
 STATE_FILE = "trainer_state.json"
-RNG_FILE = "rng.pt"
+RNG_FILE = "rng.safetensors"
 BACKEND_DIR = "backend"
-FORMAT = 1
+# 2: RNG state in safetensors + JSON (format 1 pickled it in rng.pt, which resuming would execute).
+FORMAT = 2
+
+# What an interrupted atomic write leaves: ``.NAME.tmp-XXXX`` (a temporary directory or file being
+# written, here and in ``RankDriver._write_atomically``) and ``NAME.old-XXXXXXXX`` (a replaced one).
+_STALE = re.compile(r"\..+\.tmp(-[A-Za-z0-9_]+)?|.+\.old-[0-9a-f]{8}")
 
 
 def checkpoint_name(step: int) -> str:
@@ -51,7 +62,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 def save_checkpoint(output_dir: str, step: int, backend: Any, trainer_state: dict[str, Any]) -> str:
     """Write the checkpoint of ``step`` and point ``latest`` at it; return its path."""
-    import torch
+    from skyrl_core.state_file import save_state
 
     root = os.path.join(os.path.abspath(output_dir), CHECKPOINTS_DIR)
     os.makedirs(root, exist_ok=True)
@@ -59,9 +70,10 @@ def save_checkpoint(output_dir: str, step: int, backend: Any, trainer_state: dic
     tmp = tempfile.mkdtemp(prefix=f".{checkpoint_name(step)}.tmp-", dir=root)
     try:
         backend.save_checkpoint(os.path.join(tmp, BACKEND_DIR))
-        torch.save(_rng_state(), os.path.join(tmp, RNG_FILE))
+        save_state(os.path.join(tmp, RNG_FILE), _rng_state())
         with open(os.path.join(tmp, STATE_FILE), "w", encoding="utf-8") as f:
             json.dump({"format": FORMAT, "step": step, **trainer_state}, f, sort_keys=True)
+        apply_ordinary_modes(tmp)
         if os.path.exists(final):
             shutil.rmtree(final)
         os.rename(tmp, final)
@@ -84,8 +96,8 @@ def resolve_checkpoint(path: str) -> str:
     for root in (path, os.path.join(path, CHECKPOINTS_DIR)):
         latest = os.path.join(root, LATEST_FILE)
         if os.path.isfile(latest):
-            with open(latest, encoding="utf-8") as f:
-                candidate = os.path.join(root, f.read().strip())
+            with open(latest, encoding="utf-8", errors="replace") as f:
+                candidate = os.path.join(root, os.path.basename(f.read().strip()))
             if os.path.isfile(os.path.join(candidate, STATE_FILE)):
                 return candidate
     raise FileNotFoundError(
@@ -94,14 +106,78 @@ def resolve_checkpoint(path: str) -> str:
     )
 
 
+def read_trainer_state(path: str) -> dict[str, Any]:
+    """The trainer state of checkpoint ``path``; ``ValueError`` naming the format if it is not this
+    trainer's."""
+    try:
+        with open(os.path.join(path, STATE_FILE), encoding="utf-8") as f:
+            state = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"{path}: {STATE_FILE} is unreadable ({exc})") from None
+    found = state.get("format") if isinstance(state, dict) else None
+    if found != FORMAT:
+        hint = (" (format 1 stored RNG state with pickle, which resuming would execute; it cannot be "
+                "read safely; an FSDP checkpoint's backend/ directory is a Hugging Face model a new run can "
+                "start from with model.path)"
+                if found == 1 else "")
+        raise ValueError(f"{path}: trainer checkpoint format {found!r}, this trainer reads format {FORMAT}{hint}")
+    return state
+
+
 def load_checkpoint(path: str, backend: Any) -> dict[str, Any]:
     """Restore the backend and this process's RNG from checkpoint ``path``; return the trainer state."""
-    import torch
+    from skyrl_core.state_file import load_state
 
-    with open(os.path.join(path, STATE_FILE), encoding="utf-8") as f:
-        state = json.load(f)
-    if state.get("format") != FORMAT:
-        raise ValueError(f"{path}: trainer checkpoint format {state.get('format')!r}, this trainer reads {FORMAT}")
+    state = read_trainer_state(path)
+    rng = load_state(os.path.join(path, RNG_FILE))  # before the backend: a bad file changes nothing
     backend.load_checkpoint(os.path.join(path, BACKEND_DIR))
-    _set_rng_state(torch.load(os.path.join(path, RNG_FILE), weights_only=False))
+    _set_rng_state(rng)
     return state
+
+
+def remove_stale_temporaries(run_dir: str) -> list[str]:
+    """Delete what interrupted atomic writes left in ``run_dir`` and its ``checkpoints/``; return
+    the paths removed. Only names this module and the backend driver create are touched."""
+    removed = []
+    for root in (run_dir, os.path.join(run_dir, CHECKPOINTS_DIR)):
+        if not os.path.isdir(root):
+            continue
+        for name in sorted(os.listdir(root)):
+            if not _STALE.fullmatch(name):
+                continue
+            path = os.path.join(root, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.unlink(path)
+            removed.append(path)
+    return removed
+
+
+def _umask() -> int:
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)  # no /proc: read it by setting it (and put it back at once)
+    os.umask(mask)
+    return mask
+
+
+def apply_ordinary_modes(top: str) -> None:
+    """Give ``top`` and everything under it the modes ``open``/``mkdir`` give ordinary files
+    (0644 / 0755 under umask 022): ``tempfile`` makes private 0700 / 0600 ones."""
+    mask = _umask()
+    dir_mode, file_mode = 0o777 & ~mask, 0o666 & ~mask
+    os.chmod(top, dir_mode)
+    for root, dirs, files in os.walk(top):
+        for name in dirs:
+            if not os.path.islink(os.path.join(root, name)):
+                os.chmod(os.path.join(root, name), dir_mode)
+        for name in files:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                os.chmod(path, file_mode)

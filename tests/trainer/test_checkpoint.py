@@ -57,3 +57,91 @@ def test_wrong_resume_path_is_refused_clearly(tmp_path) -> None:
     state_file.write_text(json.dumps({"format": 99, "step": 1}))
     with pytest.raises(ValueError, match="format 99"):
         ckpt.load_checkpoint(str(state_file.parent), FakeBackendState())
+
+
+# --- no pickle, one file-mode policy, temporaries of killed runs ------------------------------------
+
+
+class _RunsCommand:
+    """A pickle payload: unpickling it runs ``touch MARKER``."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_tampered_rng_file_is_refused_without_running_it(tmp_path) -> None:
+    import torch
+
+    path = ckpt.save_checkpoint(str(tmp_path / "run"), 1, FakeBackendState(), {})
+    marker = tmp_path / "code-ran"
+    for name in os.listdir(path):
+        if name.startswith("rng"):
+            torch.save({"python": _RunsCommand(str(marker))}, os.path.join(path, name))  # an attacker's file
+    backend = FakeBackendState()
+    with pytest.raises(ValueError, match="not a safetensors state file"):
+        ckpt.load_checkpoint(path, backend)
+    assert not marker.exists()
+    assert backend.loaded is None  # refused before the backend changed anything
+
+
+def test_rng_state_round_trips_exactly(tmp_path) -> None:
+    import random
+
+    import numpy as np
+    import torch
+
+    random.seed(3), np.random.seed(4), torch.manual_seed(5)
+    path = ckpt.save_checkpoint(str(tmp_path), 1, FakeBackendState(), {})
+    expected = (random.random(), float(np.random.rand()), torch.rand(3).view(torch.int32).tolist())
+    random.seed(0), np.random.seed(0), torch.manual_seed(0)
+    ckpt.load_checkpoint(path, FakeBackendState())
+    assert (random.random(), float(np.random.rand()), torch.rand(3).view(torch.int32).tolist()) == expected
+
+
+def test_a_format_1_checkpoint_is_refused_with_its_format(tmp_path) -> None:
+    path = ckpt.save_checkpoint(str(tmp_path), 1, FakeBackendState(), {})
+    state_file = os.path.join(path, "trainer_state.json")
+    with open(state_file) as f:
+        state = json.load(f)
+    with open(state_file, "w") as f:
+        json.dump({**state, "format": 1}, f)
+    with pytest.raises(ValueError, match="format 1, this trainer reads format 2 .*pickle"):
+        ckpt.load_checkpoint(path, FakeBackendState())
+
+
+def test_checkpoint_files_get_the_modes_of_ordinary_files(tmp_path) -> None:
+    class PrivateFiles(FakeBackendState):
+        def save_checkpoint(self, path: str) -> None:
+            os.makedirs(path, mode=0o700)
+            fd = os.open(os.path.join(path, "weights"), os.O_CREAT | os.O_WRONLY, 0o600)
+            os.close(fd)
+
+    previous = os.umask(0o022)
+    try:
+        path = ckpt.save_checkpoint(str(tmp_path), 1, PrivateFiles(), {})
+        os.umask(0o027)
+        other = ckpt.save_checkpoint(str(tmp_path), 2, PrivateFiles(), {})
+    finally:
+        os.umask(previous)
+    modes = {os.path.relpath(os.path.join(r, n), path): os.stat(os.path.join(r, n)).st_mode & 0o777
+             for r, ds, fs in os.walk(path) for n in ds + fs}
+    assert os.stat(path).st_mode & 0o777 == 0o755
+    assert modes == {"backend": 0o755, "backend/weights": 0o644, "rng.safetensors": 0o644, "trainer_state.json": 0o644}
+    assert os.stat(os.path.join(other, "backend", "weights")).st_mode & 0o777 == 0o640  # the umask is respected
+    assert os.stat(other).st_mode & 0o777 == 0o750
+
+
+def test_temporaries_of_a_killed_checkpoint_are_removed(tmp_path) -> None:
+    ckpt.save_checkpoint(str(tmp_path), 1, FakeBackendState(), {})
+    root = tmp_path / "checkpoints"
+    left = [root / ".step_000002.tmp-ab_12x", root / ".latest.tmp", tmp_path / ".model.tmp-k9", root / "step_000001.old-0123abcd"]
+    for path in left:
+        path.mkdir() if "step" in path.name else path.write_text("partial")
+    keep = [tmp_path / "notes.txt", root / "step_000001", root / "latest", tmp_path / "checkpoints"]
+    (tmp_path / "notes.txt").write_text("mine")
+    removed = ckpt.remove_stale_temporaries(str(tmp_path))
+    assert sorted(removed) == sorted(map(str, left))
+    assert all(not p.exists() for p in left) and all(p.exists() for p in keep)

@@ -33,15 +33,17 @@ from skyrl_core.config.schema import ModelConfig, TrainerConfig
 from skyrl_core.heap import keep_freed_memory
 from skyrl_core.interfaces import LossFn
 from skyrl_core.models import load_causal_lm, load_tokenizer
+from skyrl_core.state_file import load_state, save_state
 from skyrl_core.ops import prepare_model, site_scope, token_logprobs
 from skyrl_core.types import TrainingBatch
 from skyrl_fsdp.hf_io import read_hf_weights, tied_aliases, write_hf_dir
 from skyrl_fsdp.options import FSDPOptions
 from skyrl_core.lr_schedule import lr_factor
 
-OPTIMIZER_FILE = "optimizer.pt"
-TRAINER_STATE_FILE = "trainer_state.pt"
-CHECKPOINT_FORMAT = 1
+OPTIMIZER_FILE = "optimizer.safetensors"
+TRAINER_STATE_FILE = "fsdp_trainer_state.safetensors"
+# 2: optimizer and trainer state in safetensors + JSON (format 1 used torch.save, i.e. pickle).
+CHECKPOINT_FORMAT = 2
 
 # The in-process rank shares one default process group per process between backends.
 _process_group_users = 0
@@ -291,24 +293,24 @@ class FSDPRank:
         dist.all_gather_object(rng_states, _rng_state())
         if self.rank == 0:
             write_hf_dir(path, weights, self.model.config, self.aliases, self._tokenizer())
-            torch.save(optim, os.path.join(path, OPTIMIZER_FILE))
+            save_state(os.path.join(path, OPTIMIZER_FILE), optim)
             state = {
                 "format": CHECKPOINT_FORMAT,
                 "optimizer_steps": self.optimizer_steps,
                 "world_size": self.world_size,
                 "rng": rng_states,
             }
-            torch.save(state, os.path.join(path, TRAINER_STATE_FILE))
+            save_state(os.path.join(path, TRAINER_STATE_FILE), state)
         dist.barrier()
 
     def load_checkpoint(self, path: str) -> None:
         """Restore what ``save_checkpoint`` wrote (any world size; RNG per rank when it matches)."""
-        state = torch.load(os.path.join(path, TRAINER_STATE_FILE), weights_only=True)
+        state = load_state(os.path.join(path, TRAINER_STATE_FILE))
         if state.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"{path}: checkpoint format {state.get('format')!r}, this backend reads {CHECKPOINT_FORMAT}")
         full = StateDictOptions(full_state_dict=True)
         set_model_state_dict(self.model, read_hf_weights(path, self.aliases), options=full)
-        optim = torch.load(os.path.join(path, OPTIMIZER_FILE), weights_only=True)
+        optim = load_state(os.path.join(path, OPTIMIZER_FILE))
         if optim:
             set_optimizer_state_dict(self.model, self.optimizer, optim, options=full)
         else:

@@ -34,13 +34,15 @@ from skyrl_megatron.options import MegatronOptions
 from skyrl_core.heap import keep_freed_memory
 from skyrl_core.local_ray import adopt_skyrl_environment
 from skyrl_core.lr_schedule import lr_factor
+from skyrl_core.state_file import load_state, save_state
 
-CHECKPOINT_FORMAT = 1
-TRAINER_STATE_FILE = "megatron_trainer_state.pt"
+# 2: state in safetensors + JSON (format 1 used torch.save, i.e. pickle, which loading would execute).
+CHECKPOINT_FORMAT = 2
+TRAINER_STATE_FILE = "megatron_trainer_state.safetensors"
 
 
 def shard_file(rank: int) -> str:
-    return f"megatron_rank{rank:03d}.pt"
+    return f"megatron_rank{rank:03d}.safetensors"
 
 
 # megatron-core's parallel state (process groups, RNG tracker, memory buffer) is global to a
@@ -367,7 +369,7 @@ class MegatronRank:
             "optimizer": self.optimizer.state_dict(),
             "rng": _rng_state(),
         }
-        torch.save(state, os.path.join(path, shard_file(self.rank)))
+        save_state(os.path.join(path, shard_file(self.rank)), state)
         if self.rank == 0:
             meta = {
                 "format": CHECKPOINT_FORMAT,
@@ -377,11 +379,11 @@ class MegatronRank:
                 "world_size": self.world_size,
                 "layout": attrs.asdict(self.layout),
             }
-            torch.save(meta, os.path.join(path, TRAINER_STATE_FILE))
+            save_state(os.path.join(path, TRAINER_STATE_FILE), meta)
         dist.barrier()
 
     def load_checkpoint(self, path: str) -> None:
-        meta = torch.load(os.path.join(path, TRAINER_STATE_FILE), weights_only=False)
+        meta = load_state(os.path.join(path, TRAINER_STATE_FILE))
         if meta.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"{path}: checkpoint format {meta.get('format')!r}, this backend reads {CHECKPOINT_FORMAT}")
         written = (meta["tensor_parallel"], meta.get("expert_parallel", 1), meta["world_size"])
@@ -391,7 +393,7 @@ class MegatronRank:
                 f"runs {(self.tp, self.ep, self.world_size)}. To change the layout, start from a save_hf directory "
                 "(model.path) instead"
             )
-        state = torch.load(os.path.join(path, shard_file(self.rank)), weights_only=False)
+        state = load_state(os.path.join(path, shard_file(self.rank)))
         load_parameters(self.model, state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.optimizer.zero_grad()
