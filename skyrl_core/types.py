@@ -12,6 +12,39 @@ import attrs
 if TYPE_CHECKING:
     import torch
 
+# --- execution contract ---------------------------------------------------------------------------
+
+
+def _needs_identical_logprobs(instance: Any, attribute: attrs.Attribute, value: bool) -> None:
+    if value and not instance.identical_logprobs:
+        raise ValueError("reuse_rollout_logprobs=True needs identical_logprobs=True")
+
+
+@attrs.frozen(kw_only=True)
+class HandshakeVerdict:
+    """One plugin's answer to the trainer/engine contract handshake (``skyrl_verify_handshake``).
+
+    ``mismatches``: every reason the two sides do not compute the same numerics (empty: none found);
+    any mismatch stops the run before a weight sync. ``identical_logprobs``: the plugin vouches that
+    the engine's token logprobs are the trainer's, bit for bit. ``reuse_rollout_logprobs``: the RL
+    loop may take the rollout logprobs as the old logprobs and skip that forward pass (only with
+    identical logprobs).
+    """
+
+    mismatches: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    identical_logprobs: bool = False
+    reuse_rollout_logprobs: bool = attrs.field(default=False, validator=_needs_identical_logprobs)
+
+    @classmethod
+    def combine(cls, verdicts: list[HandshakeVerdict]) -> HandshakeVerdict:
+        """All plugins' verdicts as one: every mismatch; a plugin's vouching counts only when no
+        plugin found a mismatch."""
+        mismatches = tuple(m for v in verdicts for m in v.mismatches)
+        identical = not mismatches and any(v.identical_logprobs for v in verdicts)
+        reuse = identical and any(v.reuse_rollout_logprobs for v in verdicts)
+        return cls(mismatches=mismatches, identical_logprobs=identical, reuse_rollout_logprobs=reuse)
+
+
 # --- generation --------------------------------------------------------------------------------
 
 

@@ -24,10 +24,12 @@ if TYPE_CHECKING:  # imported for annotations only: registration must stay cheap
         ConfigSectionSpec,
         EnvironmentSpec,
         InferenceEngineSpec,
+        LoggerSpec,
         OpImplSpec,
         PolicyLossSpec,
         TrainingBackendSpec,
     )
+    from skyrl_core.types import HandshakeVerdict
 
 
 # --- registration -------------------------------------------------------------------------------
@@ -119,6 +121,21 @@ def skyrl_register_config_sections(register: Callable[[ConfigSectionSpec], None]
     """
 
 
+@hookspec
+def skyrl_register_loggers(register: Callable[[LoggerSpec], None]) -> None:
+    """Register metrics loggers (``LoggerSpec``) that users select in ``trainer.loggers``.
+
+    Registration makes the name known to config validation; the logger itself works through the run
+    events below (``skyrl_core.trainer.loggers.LoggerPlugin`` implements them for one sink). Must not
+    import the logging library: it is imported only when the logger is selected.
+
+    Example::
+
+        plugin = LoggerPlugin(LoggerSpec(name="tensorboard", factory="my_pkg.tb:TensorBoardSink"))
+        # entry point: tensorboard = "my_pkg.tb:plugin"
+    """
+
+
 # --- interception and lifecycle ------------------------------------------------------------------
 
 
@@ -152,11 +169,17 @@ def skyrl_execution_contract(role: str, ledger: Any) -> dict[str, Any] | None:
 
 
 @hookspec
-def skyrl_verify_handshake(trainer_contract: dict[str, Any], engine_contract: dict[str, Any]) -> list[str] | None:
-    """Compare the trainer's and engine's contracts before every weight sync.
+def skyrl_verify_handshake(trainer_contract: dict[str, Any], engine_contract: dict[str, Any]) -> HandshakeVerdict | None:
+    """Compare the trainer's and engine's contracts before every weight sync; return a
+    ``skyrl_core.types.HandshakeVerdict`` (or None: nothing to say).
 
-    Return a list of human-readable mismatches (e.g. ``"linear @ engine_decode: ..."``); any
-    non-empty list from any plugin makes the trainer stop with all of them printed.
+    ``mismatches`` lists human-readable differences (e.g. ``"linear @ engine_decode: ..."``); any
+    mismatch from any plugin makes the trainer stop with all of them printed. A plugin that
+    guarantees the two sides' token logprobs are the same bits says so with
+    ``identical_logprobs=True``, and with ``reuse_rollout_logprobs=True`` lets the RL loop use the
+    engine's logprobs as old logprobs (skipping that forward pass). The core combines the verdicts
+    (``HandshakeVerdict.combine``): a vouching counts only when no plugin reported a mismatch.
+    Returning anything else is an error naming the plugin.
     """
 
 

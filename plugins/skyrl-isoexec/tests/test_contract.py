@@ -111,7 +111,7 @@ def test_hooks_through_the_plugin_manager():
     pm = get_plugin_manager()
     trainer, engine, _, _ = _contracts()
     answers = pm.hook.skyrl_verify_handshake(trainer_contract={"isoexec": trainer}, engine_contract={"isoexec": engine})
-    assert [a for a in answers if a] == []
+    assert [a.mismatches for a in answers] == [()]
     with state.enabled_scope(True):
         chosen = pm.hook.skyrl_install_op(op="linear", site="engine_decode", impl=None)
     assert chosen.name == "isoexec.linear"
@@ -128,3 +128,30 @@ def test_enabled_after_the_runtimes_were_built_refuses():
     stale = build_contract("engine", engine_ledger.as_dict(), enabled=True)
     assert any("IsoExec is on but linear has torch.linear installed" in p for p in stale["fingerprint"])
     assert compare(trainer, stale)
+
+
+def _verdict(enabled: bool, skip: bool = True, tamper: bool = False):
+    from skyrl_isoexec.config import IsoExecConfig
+    from skyrl_isoexec.plugin import skyrl_verify_handshake
+
+    trainer, engine, _, _ = _contracts(enabled=enabled)
+    if tamper:
+        engine = copy.deepcopy(engine)
+        engine["identity"]["ops"]["attention"]["constants"]["key_block"] = 128
+    saved = state.configure(IsoExecConfig(enabled=enabled, skip_old_logprob_pass=skip))
+    try:
+        return skyrl_verify_handshake(trainer_contract={"isoexec": trainer}, engine_contract={"isoexec": engine})
+    finally:
+        state.configure(saved)
+
+
+def test_the_verdict_vouches_for_identical_logprobs_only_when_isoexec_is_on_and_agrees():
+    """The RL loop skips its old-logprob pass on this verdict alone (it knows no plugin by name)."""
+    on = _verdict(enabled=True)
+    assert (on.mismatches, on.identical_logprobs, on.reuse_rollout_logprobs) == ((), True, True)
+    no_skip = _verdict(enabled=True, skip=False)
+    assert (no_skip.identical_logprobs, no_skip.reuse_rollout_logprobs) == (True, False)
+    off = _verdict(enabled=False)
+    assert (off.mismatches, off.identical_logprobs, off.reuse_rollout_logprobs) == ((), False, False)
+    tampered = _verdict(enabled=True, tamper=True)
+    assert tampered.mismatches and not tampered.identical_logprobs and not tampered.reuse_rollout_logprobs

@@ -202,6 +202,12 @@ def _describe(ident: dict[str, Any] | None) -> str:
     return f"{ident.get('impl')} v{ident.get('version')} {constants}"
 
 
+def both_enabled(trainer_contract: dict[str, Any], engine_contract: dict[str, Any]) -> bool:
+    """Whether both contracts declare IsoExec on."""
+    trainer, engine = _find(trainer_contract), _find(engine_contract)
+    return bool(trainer and engine and trainer["enabled"] and engine["enabled"])
+
+
 def compare(trainer_contract: dict[str, Any], engine_contract: dict[str, Any]) -> list[str]:
     """Every reason the two contracts are not the same numerics; empty when they are.
 

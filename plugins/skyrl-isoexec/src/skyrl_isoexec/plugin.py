@@ -52,9 +52,16 @@ def skyrl_execution_contract(role, ledger):
 
 @hookimpl
 def skyrl_verify_handshake(trainer_contract, engine_contract):
-    from skyrl_isoexec.contract import compare
+    """Mismatches between the contracts; with IsoExec on at both sides and none found, the engine's
+    logprobs are the trainer's bits (and the old-logprob pass may be skipped, as configured)."""
+    from skyrl_core.types import HandshakeVerdict
+    from skyrl_isoexec import state
+    from skyrl_isoexec.contract import both_enabled, compare
 
-    return compare(trainer_contract, engine_contract)
+    problems = compare(trainer_contract, engine_contract)
+    identical = not problems and both_enabled(trainer_contract, engine_contract)
+    return HandshakeVerdict(mismatches=problems, identical_logprobs=identical,
+                            reuse_rollout_logprobs=identical and state.current().skip_old_logprob_pass)
 
 
 @hookimpl

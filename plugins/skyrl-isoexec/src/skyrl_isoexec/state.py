@@ -1,9 +1,9 @@
 """Whether IsoExec is on in this process (light: no torch).
 
 Without an explicit ``configure``, IsoExec is on when ``SKYRL_ISOEXEC`` is ``1``/``true``.
-``configure`` (called from the run's config, the CLI or tests) takes precedence and mirrors the
-decision into ``SKYRL_ISOEXEC``, so that processes started afterwards (FSDP ranks, engine workers)
-agree with this one.
+``configure`` (called with the run's resolved config section, the CLI or tests) takes precedence
+and mirrors the decision into ``SKYRL_ISOEXEC``, so that processes started afterwards (FSDP ranks,
+engine workers) agree with this one. The precedence rule itself is in ``skyrl_isoexec.config``.
 """
 
 from __future__ import annotations
@@ -12,10 +12,8 @@ import contextlib
 import os
 from typing import Iterator
 
-from skyrl_isoexec.config import IsoExecConfig
+from skyrl_isoexec.config import ENV_VAR, IsoExecConfig, env_enabled
 
-ENV_VAR = "SKYRL_ISOEXEC"
-_TRUE = {"1", "true", "yes", "on"}
 _config: IsoExecConfig | None = None
 
 
@@ -39,7 +37,7 @@ def current() -> IsoExecConfig:
     """The effective config."""
     if _config is not None:
         return _config
-    return IsoExecConfig(enabled=os.environ.get(ENV_VAR, "").strip().lower() in _TRUE)
+    return IsoExecConfig()  # enabled: from SKYRL_ISOEXEC
 
 
 def enabled() -> bool:
