@@ -121,9 +121,10 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
         closing.callback(progress.close)
 
         # The engine starts from the backend's weights (fresh or restored), after the handshake.
-        handshake(pm, backend, engine)
+        # A plugin (IsoExec) may vouch that the engine's logprobs are the trainer's bits: see step 2.
+        verdict = handshake(pm, backend, engine)
         engine.update_weights(backend.export_weights())
-        skip_old_logprobs = tc.reuse_rollout_logprobs or _isoexec_skips_old_logprobs(cfg, pm)
+        skip_old_logprobs = tc.reuse_rollout_logprobs or verdict.reuse_rollout_logprobs
         chunk_rows = tc.micro_batch_size * getattr(backend, "world_size", 1)  # micro_batch_size is per rank
         # One optimizer step per rollout, nothing that needs old logprobs before training: see step 2.
         single_update = (tc.ppo_epochs == 1 and tc.mini_batches == 1 and kl_cfg.use_as != "reward"
@@ -280,15 +281,6 @@ def _check_estimator(estimator: Any, cfg: Config) -> None:
     except ValueError as exc:
         name = cfg.algorithm.advantage.name
         raise ValueError(f"algorithm.advantage {name!r} cannot be used by the RL trainer: {exc}") from None
-
-
-def _isoexec_skips_old_logprobs(cfg: Config, pm: Any) -> bool:
-    """IsoExec enabled with ``skip_old_logprob_pass``: engine logprobs are the trainer's, bit for bit
-    (the handshake that just passed verified it), so the old-logprob forward pass is redundant."""
-    section = cfg.plugins.get("isoexec")
-    enabled = bool(getattr(section, "enabled", False)) or os.environ.get("SKYRL_ISOEXEC", "").strip() in {"1", "true"}
-    verifiers = pm.hook.skyrl_verify_handshake.get_hookimpls()
-    return enabled and bool(verifiers) and bool(getattr(section, "skip_old_logprob_pass", False))
 
 
 def _rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
