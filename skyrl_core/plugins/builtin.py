@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from skyrl_core.plugins import hookimpl
+from skyrl_core.plugins.records import LoggerSpec
 
 
 @hookimpl
@@ -17,3 +18,11 @@ def skyrl_register_ops(register):
 def skyrl_install_op(op, site, impl):
     """Without any plugin opinion, the runtime's default implementation is installed."""
     return impl
+
+
+@hookimpl
+def skyrl_register_loggers(register):
+    # Always on: the trainers write metrics.jsonl themselves (resume, plots and summaries read it);
+    # the name exists so that `trainer.loggers: [jsonl, ...]` reads as what happens.
+    register(LoggerSpec(name="jsonl", factory="skyrl_core.trainer.metrics:MetricsLog",
+                        description="metrics.jsonl in the run directory (always on)"))

@@ -45,6 +45,7 @@ REGISTRATION_HOOKS: dict[str, str] = {
 
 
 class PluginError(Exception):
+    "skyrl_register_loggers": "logger",
     """A plugin problem the user must fix (duplicate names, unknown components)."""
 
 

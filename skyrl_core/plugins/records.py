@@ -129,3 +129,13 @@ RECORD_TYPES: tuple[type[ComponentSpec], ...] = (
     ConfigSectionSpec,
 )
 RECORD_BY_KIND: dict[str, type[ComponentSpec]] = {cls.kind: cls for cls in RECORD_TYPES}
+@attrs.frozen(kw_only=True)
+class LoggerSpec(ComponentSpec):
+    """A metrics logger chosen by ``trainer.loggers``. ``factory(run_dir: str, config) -> MetricsSink``
+    (see ``skyrl_core.trainer.loggers``)."""
+
+    kind: ClassVar[str] = "logger"
+    kind_title: ClassVar[str] = "logger"
+
+
+    LoggerSpec,
