@@ -97,16 +97,21 @@ def _per_token(scores: torch.Tensor, response_mask: torch.Tensor, whiten: bool) 
     return masked_whiten(advantages, response_mask) if whiten else advantages
 
 
-def zero_variance_group_mask(rewards: torch.Tensor | Sequence[float], group_ids: Sequence[Any]) -> torch.Tensor:
-    """``[B]`` bool: True for samples whose group's rewards are not all equal (the ones that carry a
-    group-relative signal). A group of one is all-equal. Dynamic sampling keeps the True rows."""
+def zero_variance_group_mask(
+    rewards: torch.Tensor | Sequence[float], group_ids: Sequence[Any], tol: float = 0.0
+) -> torch.Tensor:
+    """``[B]`` bool: True for samples whose group's rewards are not all equal, i.e. spread by more
+    than ``tol`` (max - min), the ones that carry a group-relative signal. A group of one is
+    all-equal. Dynamic sampling keeps the True rows."""
+    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol >= 0:
+        raise ValueError(f"tol must be a number >= 0, got {tol!r}")
     scores = torch.as_tensor(rewards, dtype=torch.float64)
     if scores.dim() != 1:
         raise ValueError(f"rewards must be one scalar per sample ([B]), got shape {tuple(scores.shape)}")
     index, n_groups = group_index(group_ids, scores.shape[0])
     group_max = torch.full((n_groups,), float("-inf"), dtype=scores.dtype).scatter_reduce(0, index, scores, "amax")
     group_min = torch.full((n_groups,), float("inf"), dtype=scores.dtype).scatter_reduce(0, index, scores, "amin")
-    return (group_max > group_min)[index]
+    return (group_max - group_min > tol)[index]
 
 
 # --- the estimators -----------------------------------------------------------------------------

@@ -3,15 +3,17 @@
 The engine samples with ``pi_rollout``; the trainer's recomputed ``pi_old`` differs from it (other
 kernels, batch shapes, precision). Per token, ``rho_t = pi_old(y_t) / pi_rollout(y_t)``.
 ``off_policy_correction`` turns an ``OffPolicyConfig`` into a per-token multiplier for the loss
-weights (``token_weights * multiplier``), and measures the mismatch, every step:
+weights (``token_weights * multiplier``), and measures the mismatch, every step. In this order
+(upstream SkyRL's), each step seeing the tokens the previous ones kept:
 
-- truncated importance sampling (TIS): ``tis: token`` gives ``min(rho_t, tis_cap)``;
-  ``tis: sequence`` gives every token of sample ``i`` ``min(prod_t rho_t, tis_cap)``;
-- sequence masks drop whole samples: ``geometric`` keeps ``i`` iff
-  ``mask_low <= exp(mean_t log rho_t) <= mask_high``, ``product`` iff
-  ``mask_low <= prod_t rho_t <= mask_high``;
-- the per-token (outlier) mask drops tokens with ``rho_t`` outside
-  ``[token_mask_low, token_mask_high]`` (a bound left None is open).
+1. outlier mask: drop a whole sample if any of its ``rho_t`` is outside
+   ``[outlier_token_low, outlier_token_high]`` (a bound left None is open);
+2. token mask: drop the tokens with ``rho_t`` outside ``[token_mask_low, token_mask_high]``;
+3. truncated importance sampling (TIS): ``tis: token`` gives ``min(rho_t, token_tis_cap)``;
+   ``tis: sequence`` gives every token of sample ``i`` ``min(prod_t rho_t, sequence_tis_cap)``
+   (the product over the kept tokens);
+4. sequence mask: ``geometric`` keeps ``i`` iff ``geo_mask_low <= exp(mean_t log rho_t) <= geo_mask_high``,
+   ``product`` iff ``product_mask_low <= prod_t rho_t <= product_mask_high`` (over the kept tokens).
 """
 
 from __future__ import annotations
@@ -35,15 +37,6 @@ if TYPE_CHECKING:
 
 # exp() of summed log-ratios must stay finite
 _LOG_RATIO_LIMIT = 20.0
-
-
-def _enabled(cfg: OffPolicyConfig) -> bool:
-    return (
-        cfg.tis != "none"
-        or cfg.sequence_mask != "none"
-        or cfg.token_mask_low is not None
-        or cfg.token_mask_high is not None
-    )
 
 
 def mismatch_metrics(
@@ -72,40 +65,53 @@ def off_policy_correction(
     ``rollout_logprobs`` is given. A correction without ``rollout_logprobs`` is an error."""
     mask = (loss_mask > 0).to(as_float(old_logprobs).dtype)
     if rollout_logprobs is None:
-        if _enabled(cfg):
+        if cfg.any_enabled():
             raise ValueError(
-                "algorithm.off_policy asks for a correction (tis/sequence_mask/token_mask_*) but the batch "
-                "has no rollout_logprobs: the engine must return per-token logprobs"
+                "algorithm.off_policy asks for a correction (tis/sequence_mask/outlier_token_*/token_mask_*) "
+                "but the batch has no rollout_logprobs: the engine must return per-token logprobs"
             )
         return mask, {}
     check_shapes("old_logprobs", old_logprobs, rollout_logprobs=rollout_logprobs, loss_mask=loss_mask)
     metrics = mismatch_metrics(old_logprobs, rollout_logprobs, loss_mask)
     with torch.no_grad():
         log_rho = zero_where_masked(as_float(old_logprobs) - as_float(rollout_logprobs), loss_mask)
-        multiplier = mask.clone()
-
-        if cfg.tis == "token":
-            raw = log_rho.clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT).exp()
-        elif cfg.tis == "sequence":
-            seq_log = masked_sum(log_rho, loss_mask, dim=-1).clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT)
-            raw = seq_log.exp().unsqueeze(-1).expand_as(log_rho)
-        if cfg.tis != "none":
-            multiplier = multiplier * raw.clamp(max=cfg.tis_cap)
-            metrics["mismatch/tis_weight_mean"] = masked_scalar(raw.clamp(max=cfg.tis_cap), loss_mask)
-            metrics["mismatch/tis_capped_frac"] = masked_scalar((raw > cfg.tis_cap).to(mask.dtype), loss_mask)
-
+        rho = log_rho.clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT).exp()
         keep = mask > 0
+
+        def outside(low: float | None, high: float | None) -> torch.Tensor:
+            out = torch.zeros_like(keep)
+            if low is not None:
+                out = out | (rho < low)
+            if high is not None:
+                out = out | (rho > high)
+            return out & keep
+
+        if cfg.outlier_token_low is not None or cfg.outlier_token_high is not None:
+            outlier_rows = outside(cfg.outlier_token_low, cfg.outlier_token_high).any(-1)
+            metrics["mismatch/outlier_sample_frac"] = float(outlier_rows.to(mask.dtype).mean())
+            keep = keep & ~outlier_rows.unsqueeze(-1)
+        if cfg.token_mask_low is not None or cfg.token_mask_high is not None:
+            keep = keep & ~outside(cfg.token_mask_low, cfg.token_mask_high)
+
+        multiplier = keep.to(mask.dtype)
+        if cfg.tis == "token":
+            raw, cap = rho, cfg.token_tis_cap
+        elif cfg.tis == "sequence":
+            seq_log = masked_sum(log_rho, keep, dim=-1).clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT)
+            raw, cap = seq_log.exp().unsqueeze(-1).expand_as(log_rho), cfg.sequence_tis_cap
+        if cfg.tis != "none":
+            multiplier = multiplier * raw.clamp(max=cap)
+            metrics["mismatch/tis_weight_mean"] = masked_scalar(raw.clamp(max=cap), keep)
+            metrics["mismatch/tis_capped_frac"] = masked_scalar((raw > cap).to(mask.dtype), keep)
+
         if cfg.sequence_mask != "none":
             reduce = masked_mean if cfg.sequence_mask == "geometric" else masked_sum
-            seq_log = reduce(log_rho, loss_mask, dim=-1)
+            low, high = ((cfg.geo_mask_low, cfg.geo_mask_high) if cfg.sequence_mask == "geometric"
+                         else (cfg.product_mask_low, cfg.product_mask_high))
+            seq_log = reduce(log_rho, keep, dim=-1)
             # compare in log space: exp() of a long sequence's sum would overflow
-            inside = (seq_log >= math.log(cfg.mask_low)) & (seq_log <= math.log(cfg.mask_high))
+            inside = (seq_log >= math.log(low)) & (seq_log <= math.log(high))
             keep = keep & inside.unsqueeze(-1)
-        rho = log_rho.exp()
-        if cfg.token_mask_low is not None:
-            keep = keep & (rho >= cfg.token_mask_low)
-        if cfg.token_mask_high is not None:
-            keep = keep & (rho <= cfg.token_mask_high)
         multiplier = torch.where(keep, multiplier, torch.zeros_like(multiplier))
         metrics["mismatch/masked_frac"] = masked_scalar((~keep).to(mask.dtype), loss_mask)
     return multiplier, metrics

@@ -7,13 +7,15 @@ This module never imports torch: validating a config must stay cheap.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 
-LOSS_REDUCTIONS: tuple[str, ...] = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm", "prompt_mean")
+LOSS_REDUCTIONS: tuple[str, ...] = (
+    "token_mean", "sequence_mean", "seq_mean_token_sum_norm", "prompt_mean", "token_mean_legacy",
+)
 DIVERGENCES: tuple[str, ...] = ("binary_tv", "binary_kl")
-IS_LEVELS: tuple[str, ...] = ("token", "sequence")
+ANCHORS: tuple[str, ...] = ("old", "rollout")
 
 
 def _help(text: str) -> dict[str, Any]:
@@ -50,6 +52,13 @@ def _fraction(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         raise ValueError(f"{_name(instance, attribute)} must be in (0, 1], got {value!r}")
 
 
+def _unit_interval(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    """In [0, 1]."""
+    _number(instance, attribute, value)
+    if not 0 <= value <= 1:
+        raise ValueError(f"{_name(instance, attribute)} must be in [0, 1], got {value!r}")
+
+
 def _greater_than_one(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     _number(instance, attribute, value)
     if not value > 1:
@@ -72,11 +81,21 @@ def _one_of(*allowed: str):
     return check
 
 
-def _reduction_field(default: str = "token_mean") -> Any:
+def _optional_reduction(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None:
+        _one_of(*LOSS_REDUCTIONS)(instance, attribute, value)
+
+
+_optional_reduction.allowed = LOSS_REDUCTIONS  # type: ignore[attr-defined]
+
+
+def _reduction_field() -> Any:
+    # None: algorithm.loss_reduction when set, else the loss's own default_reduction
+    # (skyrl_core.algorithms.precedence says how the two combine)
     return attrs.field(
-        default=default,
-        validator=_one_of(*LOSS_REDUCTIONS),
-        metadata=_help("how per-token losses are reduced when the trainer passes no token_weights"),
+        default=None,
+        validator=_optional_reduction,
+        metadata=_help("how per-token losses are reduced (null: algorithm.loss_reduction, else the loss's default)"),
     )
 
 
@@ -105,7 +124,7 @@ class PPOOptions:
 
     eps_low: float = _eps_low_field(0.2)
     eps_high: float = _eps_high_field(0.2)
-    loss_reduction: str = _reduction_field()
+    loss_reduction: str | None = _reduction_field()
     norm_len: int | None = _norm_len_field()
 
 
@@ -118,7 +137,7 @@ class DualClipOptions:
     clip_ratio_c: float = attrs.field(
         default=3.0, validator=_greater_than_one, metadata=_help("dual-clip constant c (> 1)")
     )
-    loss_reduction: str = _reduction_field()
+    loss_reduction: str | None = _reduction_field()
     norm_len: int | None = _norm_len_field()
 
 
@@ -126,9 +145,10 @@ class DualClipOptions:
 class GSPOOptions:
     """Sequence-level ratio (geometric mean of token ratios) clipped per sequence."""
 
+    default_reduction: ClassVar[str] = "sequence_mean"
     eps_low: float = _eps_low_field(3e-4)
     eps_high: float = _eps_high_field(4e-4)
-    loss_reduction: str = _reduction_field("sequence_mean")
+    loss_reduction: str | None = _reduction_field()
     norm_len: int | None = _norm_len_field()
 
 
@@ -140,7 +160,12 @@ class CISPOOptions:
         default=1.0, validator=_fraction, metadata=_help("lower clip of the IS weight (1.0: no lower bound)")
     )
     eps_high: float = _eps_high_field(0.28)
-    loss_reduction: str = _reduction_field()
+    anchor: str = attrs.field(
+        default="old",
+        validator=_one_of(*ANCHORS),
+        metadata=_help("behaviour policy of the ratio: old (pi / pi_old) or rollout (pi / pi_rollout, no TIS on top)"),
+    )
+    loss_reduction: str | None = _reduction_field()
     norm_len: int | None = _norm_len_field()
 
 
@@ -150,21 +175,23 @@ class SAPOOptions:
 
     tau_pos: float = attrs.field(default=1.0, validator=_positive, metadata=_help("gate temperature for A > 0"))
     tau_neg: float = attrs.field(default=1.05, validator=_positive, metadata=_help("gate temperature for A <= 0"))
-    loss_reduction: str = _reduction_field()
+    loss_reduction: str | None = _reduction_field()
     norm_len: int | None = _norm_len_field()
 
 
 @attrs.frozen(kw_only=True)
 class ClipCovOptions:
-    """Policy gradient that drops a random few tokens whose covariance(logp, A) lies in a band."""
+    """PPO clip, plus a random few unclipped tokens whose covariance(logp, A) lies in a band get no gradient."""
 
+    eps_low: float = _eps_low_field(0.2)
+    eps_high: float = _eps_high_field(0.2)
     clip_ratio: float = attrs.field(
         default=2e-4, validator=_fraction, metadata=_help("fraction of trained tokens to detach")
     )
     cov_low: float = attrs.field(default=1.0, validator=_number, metadata=_help("lower covariance bound of the band"))
     cov_high: float = attrs.field(default=5.0, validator=_number, metadata=_help("upper covariance bound of the band"))
     seed: int = attrs.field(default=0, metadata=_help("seed of the random token choice"))
-    loss_reduction: str = _reduction_field()
+    loss_reduction: str | None = _reduction_field()
     norm_len: int | None = _norm_len_field()
 
     def __attrs_post_init__(self) -> None:
@@ -182,27 +209,29 @@ class KLCovOptions:
         default=2e-3, validator=_fraction, metadata=_help("fraction of trained tokens that get the penalty")
     )
     kl_coef: float = attrs.field(default=1.0, validator=_non_negative, metadata=_help("penalty coefficient"))
-    loss_reduction: str = _reduction_field()
+    loss_reduction: str | None = _reduction_field()
     norm_len: int | None = _norm_len_field()
 
 
 @attrs.frozen(kw_only=True)
 class RolloutISOptions:
-    """PPO clip times a truncated importance weight ``min(pi_old / pi_rollout, cap)``."""
+    """Token-masked IS on the rollout policy: ``-sg(r * 1[1 - eps_low < r < 1 + eps_high]) * A * log pi``,
+    ``r = pi / pi_rollout``."""
 
-    eps_low: float = _eps_low_field(0.2)
-    eps_high: float = _eps_high_field(0.2)
-    level: str = attrs.field(
-        default="token", validator=_one_of(*IS_LEVELS), metadata=_help("IS weight per token or per sequence")
+    eps_low: float = attrs.field(
+        default=0.2, validator=_fraction, metadata=_help("tokens with r <= 1 - eps_low get no gradient")
     )
-    cap: float = attrs.field(default=2.0, validator=_positive, metadata=_help("truncation of the IS weight"))
-    loss_reduction: str = _reduction_field()
+    eps_high: float = attrs.field(
+        default=0.2, validator=_positive, metadata=_help("tokens with r >= 1 + eps_high get no gradient")
+    )
+    loss_reduction: str | None = _reduction_field()
     norm_len: int | None = _norm_len_field()
 
 
 @attrs.frozen(kw_only=True)
 class DPPOOptions:
-    """Trust region from a binary divergence between the sampled token's old and new probability."""
+    """Trust region from a binary divergence between the sampled token's behaviour (rollout) and new
+    probability."""
 
     divergence: str = attrs.field(
         default="binary_tv", validator=_one_of(*DIVERGENCES), metadata=_help("binary_tv or binary_kl")
@@ -216,7 +245,7 @@ class DPPOOptions:
     clip_ratio_c: float = attrs.field(
         default=20.0, validator=_positive, metadata=_help("upper bound of the (stop-gradient) ratio weight")
     )
-    loss_reduction: str = _reduction_field()
+    loss_reduction: str | None = _reduction_field()
     norm_len: int | None = _norm_len_field()
 
 
@@ -224,7 +253,7 @@ class DPPOOptions:
 class CrossEntropyOptions:
     """Supervised negative log-likelihood of the trained tokens (SFT)."""
 
-    loss_reduction: str = _reduction_field()
+    loss_reduction: str | None = _reduction_field()
     norm_len: int | None = _norm_len_field()
 
 
@@ -232,7 +261,7 @@ class CrossEntropyOptions:
 class ImportanceSamplingOptions:
     """Tinker's ``importance_sampling``: ``-(pi / pi_sampler) * A``, no clip."""
 
-    loss_reduction: str = _reduction_field()
+    loss_reduction: str | None = _reduction_field()
     norm_len: int | None = _norm_len_field()
 
 
@@ -240,7 +269,7 @@ class ImportanceSamplingOptions:
 
 
 def _gamma_field() -> Any:
-    return attrs.field(default=1.0, validator=_fraction, metadata=_help("discount factor in (0, 1]"))
+    return attrs.field(default=1.0, validator=_unit_interval, metadata=_help("discount factor in [0, 1]"))
 
 
 def _whiten_field(default: bool = False) -> Any:
@@ -252,7 +281,7 @@ class GAEOptions:
     """Generalized advantage estimation from a critic's values."""
 
     gamma: float = _gamma_field()
-    lam: float = attrs.field(default=1.0, validator=_fraction, metadata=_help("GAE lambda in (0, 1]"))
+    lam: float = attrs.field(default=1.0, validator=_unit_interval, metadata=_help("GAE lambda in [0, 1]"))
     whiten: bool = _whiten_field(True)
 
 

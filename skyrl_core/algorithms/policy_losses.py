@@ -8,7 +8,8 @@ Each ``make_<name>(options)`` returns a ``PolicyLossFn``: a callable
 over ``[B, R]`` tensors (``loss_mask`` 1.0 on trained tokens). The scalar ``loss`` is
 ``sum(per_token_loss * w)`` where ``w = token_weights`` when given (the trainer computes them over
 the whole mini-batch with ``reduction_weights`` so that micro-batches sum exactly), otherwise
-``reduction_weights(loss_mask, options.loss_reduction, group_ids, options.norm_len)``.
+``reduction_weights(loss_mask, reduction, group_ids, options.norm_len)`` with ``reduction`` the
+options' ``loss_reduction`` or, when that is None, the loss's ``default_reduction``.
 ``metrics`` are Python floats over this call's trained tokens.
 
 Untrained positions never matter: their inputs are replaced by 0 before any arithmetic, so inf or
@@ -24,6 +25,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from skyrl_core.algorithms import options as opts
+from skyrl_core.algorithms.precedence import effective_loss_reduction
 from skyrl_core.algorithms.reductions import reduction_weights
 from skyrl_core.algorithms.tensor_utils import (
     as_float,
@@ -137,7 +139,8 @@ class PolicyLossFn:
         inputs = LossInputs(self.name, logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs, **self._needs)
         per_token_loss, metrics = self._per_token(inputs)
         if token_weights is None:
-            weights = reduction_weights(loss_mask, self.options.loss_reduction, group_ids, self.options.norm_len)
+            reduction = effective_loss_reduction(None, self.options)
+            weights = reduction_weights(loss_mask, reduction, group_ids, self.options.norm_len)
         else:
             check_shapes("logprobs", logprobs, token_weights=token_weights)
             weights = token_weights
@@ -210,17 +213,19 @@ def make_gspo(options: opts.GSPOOptions | None = None) -> PolicyLossFn:
 
 def make_cispo(options: opts.CISPOOptions | None = None) -> PolicyLossFn:
     """CISPO (MiniMax-M1, 2025): ``-sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * log pi``; every
-    token keeps a gradient, only its weight is clipped."""
+    token keeps a gradient, only its weight is clipped. ``r = pi / pi_old``, or with
+    ``anchor="rollout"`` ``r = pi / pi_rollout`` (the ratio then is the off-policy correction)."""
     o = options or opts.CISPOOptions()
+    on_rollout = o.anchor == "rollout"
 
     def per_token(x: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
-        ratio = x.log_ratio().exp()
+        ratio = x.log_ratio(x.rollout_logprobs if on_rollout else None).exp()
         weight = ratio.clamp(1 - o.eps_low, 1 + o.eps_high).detach()
         loss = -weight * x.advantages * x.logprobs
         truncated = (ratio < 1 - o.eps_low) | (ratio > 1 + o.eps_high)
         return loss, {**x.ratio_metrics(ratio), "clip_frac": x.fraction(truncated)}
 
-    return PolicyLossFn("cispo", o, per_token)
+    return PolicyLossFn("cispo", o, per_token, needs_old=not on_rollout, needs_rollout=on_rollout)
 
 
 def make_sapo(options: opts.SAPOOptions | None = None) -> PolicyLossFn:
@@ -244,8 +249,9 @@ def _centered_covariance(x: LossInputs) -> torch.Tensor:
 
 
 def make_clip_cov(options: opts.ClipCovOptions | None = None) -> PolicyLossFn:
-    """Clip-Cov (Cui et al. 2025): policy gradient ``-r A`` where a random ``clip_ratio`` share of
-    the trained tokens whose covariance lies in ``[cov_low, cov_high]`` is dropped (0 loss, 0 grad).
+    """Clip-Cov (Cui et al. 2025): PPO's clipped surrogate, where a random share of
+    ``clip_ratio * trained tokens`` among the tokens PPO did not clip and whose covariance lies
+    strictly inside ``(cov_low, cov_high)`` is dropped (0 loss, 0 grad).
 
     The covariance and the choice use this call's tokens: with micro-batches they are per micro-batch.
     """
@@ -254,16 +260,22 @@ def make_clip_cov(options: opts.ClipCovOptions | None = None) -> PolicyLossFn:
 
     def per_token(x: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
         ratio = x.log_ratio().exp()
+        ppo_loss, clipped = _clipped_surrogate(ratio, x.advantages, o.eps_low, o.eps_high)
         cov = _centered_covariance(x)
         valid = x.mask > 0
-        candidates = (valid & (cov >= o.cov_low) & (cov <= o.cov_high)).flatten().nonzero().squeeze(-1)
+        in_band = (cov > o.cov_low) & (cov < o.cov_high)
+        candidates = (valid & ~clipped & in_band).flatten().nonzero().squeeze(-1)
         n_select = min(max(1, int(o.clip_ratio * int(valid.sum()))), candidates.numel())
         chosen = candidates[torch.randperm(candidates.numel(), generator=generator)[:n_select].to(candidates.device)]
         dropped = torch.zeros(valid.numel(), dtype=torch.bool, device=valid.device)
         dropped[chosen] = True
         dropped = dropped.view_as(valid)
-        loss = torch.where(dropped, torch.zeros_like(ratio), -ratio * x.advantages)
-        return loss, {**x.ratio_metrics(ratio), "cov_dropped_frac": x.fraction(dropped)}
+        loss = torch.where(dropped, torch.zeros_like(ppo_loss), ppo_loss)
+        return loss, {
+            **x.ratio_metrics(ratio),
+            "clip_frac": x.fraction(clipped),
+            "cov_dropped_frac": x.fraction(dropped),
+        }
 
     return PolicyLossFn("clip_cov", o, per_token)
 
@@ -290,44 +302,42 @@ def make_kl_cov(options: opts.KLCovOptions | None = None) -> PolicyLossFn:
 
 
 def make_rollout_is(options: opts.RolloutISOptions | None = None) -> PolicyLossFn:
-    """PPO clip times the truncated importance weight ``min(pi_old / pi_rollout, cap)`` (TIS), per
-    token or per sequence (product of token ratios). Needs ``rollout_logprobs``."""
+    """Token-masked importance sampling on the rollout policy (GLM-5's agentic loss, upstream SkyRL's
+    ``rollout_is``): ``-sg(r * 1[1 - eps_low < r < 1 + eps_high]) * A * log pi`` with
+    ``r = pi / pi_rollout``. A token outside the band gets no loss and no gradient; inside, the
+    gradient is the importance-weighted policy gradient. Needs ``rollout_logprobs``, not old logprobs."""
     o = options or opts.RolloutISOptions()
 
     def per_token(x: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
-        ratio = x.log_ratio().exp()
-        ppo_loss, clipped = _clipped_surrogate(ratio, x.advantages, o.eps_low, o.eps_high)
-        log_w = x.old_logprobs - x.rollout_logprobs
-        if o.level == "sequence":
-            log_w = masked_sum(log_w, x.mask, dim=-1).unsqueeze(-1).expand_as(log_w)
-        raw_w = log_w.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp()
-        weight = raw_w.clamp(max=o.cap)
-        return weight * ppo_loss, {
-            **x.ratio_metrics(ratio),
-            "clip_frac": x.fraction(clipped),
-            "is_weight_mean": masked_scalar(weight, x.mask),
-            "is_capped_frac": x.fraction(raw_w > o.cap),
-        }
+        ratio = x.log_ratio(x.rollout_logprobs).exp()
+        in_band = (ratio > 1 - o.eps_low) & (ratio < 1 + o.eps_high)
+        weight = torch.where(in_band, ratio, torch.zeros_like(ratio)).detach()
+        return -weight * x.advantages * x.logprobs, {**x.ratio_metrics(ratio), "clip_frac": x.fraction(~in_band)}
 
-    return PolicyLossFn("rollout_is", o, per_token, needs_rollout=True)
+    return PolicyLossFn("rollout_is", o, per_token, needs_old=False, needs_rollout=True)
 
 
 def make_dppo(options: opts.DPPOOptions | None = None) -> PolicyLossFn:
-    """DPPO (Qi et al. 2026): ``-sg(min(r, C)) * M * A * log pi`` where the mask ``M`` drops a token
-    whose binary divergence between ``pi_old(y_t)`` and ``pi(y_t)`` exceeds ``delta_high`` (probability
-    went up, A > 0) or ``delta_low`` (probability went down, A <= 0)."""
+    """DPPO (Qi et al. 2026): ``-sg(min(r, C)) * M * A * log pi`` with ``r = pi / mu`` where the mask
+    ``M`` drops a token whose binary divergence between ``mu(y_t)`` and ``pi(y_t)`` exceeds
+    ``delta_high`` (probability went up, A > 0) or ``delta_low`` (probability went down, A <= 0).
+    The behaviour policy ``mu`` is the rollout policy (``rollout_logprobs``, as in the paper's
+    section 5.2), or the old policy when the batch has no rollout logprobs."""
     o = options or opts.DPPOOptions()
     # keep 1 - p away from 0 in the binary KL's log(1 - p) (float32 resolution)
     one_minus_floor = 1e-7
 
     def per_token(x: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
-        log_ratio = x.log_ratio()
+        behaviour = x.rollout_logprobs if x.rollout_logprobs is not None else x.old_logprobs
+        if behaviour is None:
+            raise ValueError("policy loss 'dppo' needs rollout_logprobs or old_logprobs, got None for both")
+        log_ratio = x.log_ratio(behaviour)
         logprobs = x.logprobs.detach()
-        p, mu = logprobs.exp(), x.old_logprobs.exp()
+        p, mu = logprobs.exp(), behaviour.exp()
         if o.divergence == "binary_tv":
             divergence = (p - mu).abs()
         else:  # binary_kl: KL(Bernoulli(mu) || Bernoulli(p))
-            divergence = mu * (x.old_logprobs - logprobs) + (1 - mu) * (
+            divergence = mu * (behaviour - logprobs) + (1 - mu) * (
                 torch.log1p(-mu.clamp(max=1 - one_minus_floor)) - torch.log1p(-p.clamp(max=1 - one_minus_floor))
             )
         went_up_too_far = (divergence > o.delta_high) & (p > mu)
@@ -341,7 +351,7 @@ def make_dppo(options: opts.DPPOOptions | None = None) -> PolicyLossFn:
             "divergence_mean": masked_scalar(divergence, x.mask),
         }
 
-    return PolicyLossFn("dppo", o, per_token)
+    return PolicyLossFn("dppo", o, per_token, needs_old=False)
 
 
 def make_cross_entropy(options: opts.CrossEntropyOptions | None = None) -> PolicyLossFn:

@@ -21,6 +21,7 @@ def reduction_weights(
     reduction: str,
     group_ids: Sequence[Any] | None = None,
     norm_len: int | None = None,
+    micro_batch_size: int | None = None,
 ) -> torch.Tensor:
     """Per-token weights ``[B, R]`` (0 where ``loss_mask`` is 0) realising ``reduction``:
 
@@ -31,6 +32,11 @@ def reduction_weights(
       divided by a constant length, mean over all ``B`` rows. ``norm_len`` defaults to ``R``.
     - ``prompt_mean``: ``1 / (T_g * G)``: token mean within each prompt group ``g`` (``T_g``
       trained tokens), then mean over the ``G`` groups that have trained tokens. Needs ``group_ids``.
+    - ``token_mean_legacy`` (upstream SkyRL's former ``token_mean``): token mean within each
+      micro-batch, then mean over the ``M`` micro-batches: ``1 / (T_m * M)``. Micro-batches are the
+      contiguous slices of ``micro_batch_size`` rows (the last may be shorter), as upstream slices
+      them, whatever micro-batches a backend actually runs. Without ``micro_batch_size`` it is
+      ``token_mean``.
     """
     if loss_mask.dim() != 2:
         raise ValueError(f"loss_mask must be [batch, response_len], got shape {tuple(loss_mask.shape)}")
@@ -51,4 +57,10 @@ def reduction_weights(
         group_tokens = torch.zeros(n_groups, dtype=mask.dtype, device=mask.device).index_add(0, index, mask.sum(-1))
         groups = (group_tokens > 0).sum().clamp(min=1)
         return mask / group_tokens[index].clamp(min=1).unsqueeze(-1) / groups
+    if reduction == "token_mean_legacy":
+        size = batch if micro_batch_size is None else micro_batch_size
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise ValueError(f"micro_batch_size must be a positive integer or None, got {micro_batch_size!r}")
+        slices = mask.split(size)
+        return torch.cat([part / part.sum().clamp(min=1) / len(slices) for part in slices])
     raise ValueError(f"unknown loss reduction {reduction!r}; allowed: {', '.join(LOSS_REDUCTIONS)}")

@@ -308,7 +308,11 @@ def structure_config(data: dict[str, Any], *, plugin_manager: Any = None, source
             plugin_values[name] = result
     if walker.issues or base is None:
         raise ConfigError(walker.issues or [ConfigIssue("", "invalid config")], source)
-    algorithm = attrs.evolve(base.algorithm, policy_loss=chosen["algorithm.policy_loss"], advantage=chosen["algorithm.advantage"])
+    try:  # AlgorithmConfig checks its settings against the selected loss's options
+        algorithm = attrs.evolve(base.algorithm, policy_loss=chosen["algorithm.policy_loss"],
+                                 advantage=chosen["algorithm.advantage"])
+    except ValueError as exc:
+        raise ConfigError([ConfigIssue("algorithm", str(exc))], source) from None
     return attrs.evolve(
         base,
         engine=chosen["engine"],

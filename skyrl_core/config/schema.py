@@ -85,35 +85,123 @@ class KLConfig:
     adaptive_horizon: int = attrs.field(default=10000, validator=_positive, metadata=_help("adaptive controller horizon"))
 
 
+def _at_least(low_field: str):
+    """Cross-field: this upper bound must be >= the lower bound ``low_field`` (when both are set)."""
+
+    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        low = getattr(instance, low_field)
+        if value is not None and low is not None and value < low:
+            raise ValueError(f"must be >= {low_field} ({low})")
+
+    return check
+
+
 @attrs.frozen(kw_only=True)
 class OffPolicyConfig:
-    """Corrections for a trainer/engine mismatch, for when IsoExec is off."""
+    """Corrections for a trainer/engine mismatch, for when IsoExec is off (docs/algorithms.md).
+    Ratios are ``rho_t = pi_old / pi_rollout`` per trained token."""
 
     tis: str = attrs.field(default="none", validator=_one_of("none", "token", "sequence"), metadata=_help("truncated IS level"))
-    tis_cap: float = attrs.field(default=2.0, validator=_positive, metadata=_help("TIS ratio cap"))
+    token_tis_cap: float = attrs.field(default=2.0, validator=_positive, metadata=_help("cap of rho_t (tis: token)"))
+    sequence_tis_cap: float = attrs.field(
+        default=5.0, validator=_positive, metadata=_help("cap of prod_t rho_t (tis: sequence)")
+    )
     sequence_mask: str = attrs.field(
         default="none", validator=_one_of("none", "geometric", "product"), metadata=_help("sequence mask type")
     )
-    mask_low: float = attrs.field(default=0.5, validator=_positive, metadata=_help("sequence mask lower bound"))
-    mask_high: float = attrs.field(default=2.0, validator=_positive, metadata=_help("sequence mask upper bound"))
-    token_mask_low: float | None = attrs.field(default=None, metadata=_help("per-token mask lower ratio bound"))
-    token_mask_high: float | None = attrs.field(default=None, metadata=_help("per-token mask upper ratio bound"))
+    geo_mask_low: float = attrs.field(
+        default=0.99, validator=_positive, metadata=_help("geometric mask: lowest exp(mean_t log rho_t) kept")
+    )
+    geo_mask_high: float = attrs.field(
+        default=1.01, validator=[_positive, _at_least("geo_mask_low")],
+        metadata=_help("geometric mask: highest exp(mean_t log rho_t) kept"),
+    )
+    product_mask_low: float = attrs.field(
+        default=0.5, validator=_positive, metadata=_help("product mask: lowest prod_t rho_t kept")
+    )
+    product_mask_high: float = attrs.field(
+        default=2.0, validator=[_positive, _at_least("product_mask_low")],
+        metadata=_help("product mask: highest prod_t rho_t kept"),
+    )
+    outlier_token_low: float | None = attrs.field(
+        default=None, validator=_positive, metadata=_help("drop a whole sample if any rho_t is below this (null: off)")
+    )
+    outlier_token_high: float | None = attrs.field(
+        default=None, validator=[_positive, _at_least("outlier_token_low")],
+        metadata=_help("drop a whole sample if any rho_t is above this (null: off)"),
+    )
+    token_mask_low: float | None = attrs.field(
+        default=None, validator=_positive, metadata=_help("drop a token whose rho_t is below this (null: off)")
+    )
+    token_mask_high: float | None = attrs.field(
+        default=None, validator=[_positive, _at_least("token_mask_low")],
+        metadata=_help("drop a token whose rho_t is above this (null: off)"),
+    )
+
+    def any_enabled(self) -> bool:
+        return (
+            self.tis != "none"
+            or self.sequence_mask != "none"
+            or any(v is not None for v in (self.outlier_token_low, self.outlier_token_high,
+                                           self.token_mask_low, self.token_mask_high))
+        )
+
+
+def _optional_one_of(*allowed: Any):
+    check_value = _one_of(*allowed)
+
+    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if value is not None:
+            check_value(instance, attribute, value)
+
+    check.allowed = allowed  # type: ignore[attr-defined]
+    return check
+
+
+@attrs.frozen(kw_only=True)
+class DynamicSamplingConfig:
+    """Groups whose rewards are all equal carry no group-relative signal (docs/algorithms.md)."""
+
+    mode: str = attrs.field(
+        default="none", validator=_one_of("none", "drop", "resample"),
+        metadata=_help("none; drop: train on the other groups; resample: also sample more prompts to refill the step"),
+    )
+    max_sample_batches: int = attrs.field(
+        default=30, validator=_positive,
+        metadata=_help("resample: rollout batches per step at most (the first included); then train on what was kept"),
+    )
+    zero_variance_tol: float = attrs.field(
+        default=0.0, validator=_non_negative, metadata=_help("rewards within this (max - min) count as equal")
+    )
 
 
 @attrs.frozen(kw_only=True)
 class AlgorithmConfig:
     policy_loss: Selection = attrs.field(factory=lambda: Selection(name="ppo"), metadata=_help("policy loss"))
     advantage: Selection = attrs.field(factory=lambda: Selection(name="grpo"), metadata=_help("advantage estimator"))
-    loss_reduction: str = attrs.field(
-        default="token_mean",
-        validator=_one_of("token_mean", "sequence_mean", "seq_mean_token_sum_norm", "prompt_mean"),
-        metadata=_help("how per-token losses are reduced"),
+    loss_reduction: str | None = attrs.field(
+        default=None,
+        validator=_optional_one_of(
+            "token_mean", "sequence_mean", "seq_mean_token_sum_norm", "prompt_mean", "token_mean_legacy"
+        ),
+        metadata=_help(
+            "how per-token losses are reduced (null: the policy loss's own; a contradicting "
+            "policy_loss.options.loss_reduction is an error)"
+        ),
     )
     kl: KLConfig = attrs.field(factory=KLConfig, metadata=_help("KL regularisation"))
     entropy_coef: float = attrs.field(default=0.0, metadata=_help("entropy bonus coefficient"))
     off_policy: OffPolicyConfig = attrs.field(factory=OffPolicyConfig, metadata=_help("off-policy correction"))
-    dynamic_sampling: bool = attrs.field(default=False, metadata=_help("drop groups whose rewards are all equal"))
+    dynamic_sampling: DynamicSamplingConfig = attrs.field(
+        factory=DynamicSamplingConfig, metadata=_help("groups whose rewards are all equal")
+    )
     value_clip: float = attrs.field(default=0.2, validator=_positive, metadata=_help("critic value clip (GAE)"))
+
+    def __attrs_post_init__(self) -> None:
+        if not isinstance(self.policy_loss.options, dict):  # structured options (raw dicts are not yet checked)
+            from skyrl_core.algorithms.precedence import check_policy_loss_combination
+
+            check_policy_loss_combination(self)
 
 
 @attrs.frozen(kw_only=True)

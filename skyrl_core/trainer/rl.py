@@ -25,7 +25,9 @@ import torch
 import yaml
 
 from skyrl_core.algorithms.kl import AdaptiveKLController, FixedKLController, apply_kl_penalty, kl_estimate
+from skyrl_core.algorithms.advantages import zero_variance_group_mask
 from skyrl_core.algorithms.off_policy import off_policy_correction
+from skyrl_core.algorithms.precedence import effective_loss_reduction
 from skyrl_core.algorithms.reductions import reduction_weights
 from skyrl_core.config.loader import unstructure
 from skyrl_core.config.schema import Config, OffPolicyConfig
@@ -85,6 +87,8 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
     model = resolve_model(cfg.model)
     codec = ChatCodec(load_tokenizer(model))
     policy_loss = build_selected(pm, "policy_loss", cfg.algorithm.policy_loss)
+    # the loss's own loss_reduction option, else algorithm.loss_reduction, else the loss's default
+    loss_reduction = effective_loss_reduction(cfg.algorithm.loss_reduction, getattr(policy_loss, "options", None))
     estimator = build_selected(pm, "advantage_estimator", cfg.algorithm.advantage)
     _check_estimator(estimator, cfg)
     kl_cfg = cfg.algorithm.kl
@@ -152,16 +156,13 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
             timings: dict[str, float] = {}
             started = time.perf_counter()
 
-            # 1. rollouts: n episodes per prompt, rewards from the environments
-            rows = sampler.next_rows(cfg.data.prompts_per_step)
-            with progress.task("rollout", len(rows) * train_sampling.n) as advance:
-                trajectories = generator.generate(rows, train_sampling, seed=request_seed(tc.seed, "train", step),
-                                                  group_prefix=f"{step}:", on_turn=lambda turn, done: advance(done))
+            # 1. rollouts: n episodes per prompt, rewards from the environments (dynamic sampling may
+            #    drop groups without signal, and roll out more prompts to refill the step)
+            trajectories, samples, sampling_metrics = _collect_rollouts(
+                step, cfg, sampler, lambda rows, seed, prefix: _generate(generator, progress, rows, train_sampling,
+                                                                         seed, prefix))
             timings["time/rollout"] = time.perf_counter() - started
-            metrics: dict[str, Any] = {"step": step, **_rollout_metrics(trajectories)}
-            samples = training_samples(trajectories, stepwise=cfg.rollout.stepwise)
-            if cfg.algorithm.dynamic_sampling:
-                samples, metrics["dynamic_sampling/kept_frac"] = _drop_uniform_groups(samples)
+            metrics: dict[str, Any] = {"step": step, **_rollout_metrics(trajectories), **sampling_metrics}
 
             if samples:
                 batch = build_training_batch(samples, codec.pad_token_id)
@@ -207,8 +208,8 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
                 for _epoch in range(tc.ppo_epochs):
                     for rows_of_mini in _mini_batches(len(batch), tc.mini_batches):
                         mini = batch.select(rows_of_mini)
-                        weights = reduction_weights(mini.loss_mask, cfg.algorithm.loss_reduction, mini.group_ids,
-                                                    norm_len)
+                        weights = reduction_weights(mini.loss_mask, loss_reduction, mini.group_ids, norm_len,
+                                                    micro_batch_size=tc.micro_batch_size)
                         mini = attrs.evolve(mini, token_weights=weights * multiplier[rows_of_mini])
                         # length-sorted, trimmed micro-batches; gradients accumulate until the step
                         chunks = [chunk for _, chunk in length_sorted_chunks(mini, chunk_rows)]
@@ -302,13 +303,52 @@ def _rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
     }
 
 
-def _drop_uniform_groups(samples: list[TrainingSample]) -> tuple[list[TrainingSample], float]:
-    """Dynamic sampling: keep only groups whose rewards differ (others have zero advantage)."""
-    rewards: dict[str, set[float]] = {}
-    for s in samples:
-        rewards.setdefault(s.group_id, set()).add(s.reward)
-    kept = [s for s in samples if len(rewards[s.group_id]) > 1]
-    return kept, len(kept) / len(samples)
+def _generate(generator: Any, progress: Any, rows: list, sampling: Sampling, seed: int, group_prefix: str) -> list:
+    with progress.task("rollout", len(rows) * sampling.n) as advance:
+        return generator.generate(rows, sampling, seed=seed, group_prefix=group_prefix,
+                                  on_turn=lambda turn, done: advance(done))
+
+
+def _collect_rollouts(
+    step: int, cfg: Config, sampler: PromptSampler, generate: Any
+) -> tuple[list[Trajectory], list[TrainingSample], dict[str, float]]:
+    """One step's trajectories, training samples and dynamic-sampling metrics.
+
+    ``algorithm.dynamic_sampling.mode``: ``none`` trains on every group; ``drop`` drops the groups
+    whose rewards are all equal (within ``zero_variance_tol``); ``resample`` also rolls out further
+    batches of ``prompts_per_step`` prompts until that many groups carry signal or
+    ``max_sample_batches`` batches were rolled out, and trains on the first ``prompts_per_step``
+    such groups. Extra batches get their own seeds and group ids, so a resumed run repeats them."""
+    ds, want = cfg.algorithm.dynamic_sampling, cfg.data.prompts_per_step
+    trajectories: list[Trajectory] = []
+    samples: list[TrainingSample] = []
+    generated = batches = 0
+    while True:
+        batches += 1
+        tag = (step,) if batches == 1 else (step, batches)  # the first batch keeps the seed it had before
+        new = generate(sampler.next_rows(want), request_seed(cfg.trainer.seed, "train", *tag),
+                       ".".join(map(str, tag)) + ":")
+        trajectories += new
+        new_samples = training_samples(new, stepwise=cfg.rollout.stepwise)
+        generated += len(new_samples)
+        if ds.mode != "none" and new_samples:
+            keep = zero_variance_group_mask([s.reward for s in new_samples], [s.group_id for s in new_samples],
+                                            ds.zero_variance_tol)
+            new_samples = [s for s, kept in zip(new_samples, keep.tolist()) if kept]
+        samples += new_samples
+        groups = list(dict.fromkeys(s.group_id for s in samples))
+        if ds.mode != "resample" or len(groups) >= want or batches >= ds.max_sample_batches:
+            break
+    if ds.mode == "none":
+        return trajectories, samples, {}
+    if ds.mode == "resample":
+        chosen = set(groups[:want])
+        samples = [s for s in samples if s.group_id in chosen]
+    return trajectories, samples, {
+        "dynamic_sampling/kept_frac": len(samples) / max(generated, 1),
+        "dynamic_sampling/batches": float(batches),
+        "dynamic_sampling/groups": float(len(dict.fromkeys(s.group_id for s in samples))),
+    }
 
 
 def _forward(backend: Any, batch: TrainingBatch, chunk_rows: int) -> torch.Tensor:

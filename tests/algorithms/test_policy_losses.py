@@ -11,6 +11,7 @@ import torch
 
 from skyrl_core.algorithms import options as O
 from skyrl_core.algorithms import policy_losses as P
+from skyrl_core.algorithms.precedence import effective_loss_reduction
 from tests.algorithms.reference import (
     ADV,
     GROUPS,
@@ -67,7 +68,8 @@ def test_ppo_matches_reference_and_clipped_tokens_get_zero_gradient():
 
 
 def test_ppo_defaults_are_symmetric_0_2():
-    assert O.PPOOptions() == O.PPOOptions(eps_low=0.2, eps_high=0.2, loss_reduction="token_mean")
+    assert O.PPOOptions() == O.PPOOptions(eps_low=0.2, eps_high=0.2, loss_reduction=None)
+    assert effective_loss_reduction(None, O.PPOOptions()) == "token_mean"
 
 
 def test_dual_clip_bounds_negative_advantage_loss():
@@ -105,6 +107,34 @@ def test_cispo_gradient_uses_the_clipped_weight_as_a_constant():
     assert metrics["clip_frac"] == pytest.approx(2 / 10)  # (1,0) and (2,2)
 
 
+def test_cispo_rollout_anchor_weights_by_pi_over_pi_rollout():
+    eps_low, eps_high = 1.0, 0.28
+
+    def rule(b, t):
+        r, a = math.exp(log_ratio(b, t, ROLLOUT)), ADV[b][t]
+        weight = clip(r, 1 - eps_low, 1 + eps_high)
+        return -weight * a * LOGP[b][t], -weight * a
+
+    check(P.make_cispo(O.CISPOOptions(anchor="rollout")), rule)
+    with pytest.raises(ValueError, match="'cispo' needs rollout_logprobs"):
+        run(P.make_cispo(O.CISPOOptions(anchor="rollout")), rollout=False)
+
+
+def test_cispo_rollout_anchor_upstream_case():
+    """Upstream SkyRL's test_policy_loss_cispo_rollout_anchor on this API (sum reduction)."""
+    adv = torch.tensor([[1.0, -1.0, -4.0]])
+    old = torch.tensor([[-1.0, -1.0, -3.0]])
+    logp = torch.tensor([[-1.69315, -1.0, -0.69741]])
+    rollout = torch.tensor([[-1.30685, -1.5, -1.0]])
+    ones = torch.ones(1, 3)
+    options = O.CISPOOptions(eps_low=0.2, eps_high=0.2, anchor="rollout")
+    loss, _ = P.make_cispo(options)(logp, old, adv, ones, rollout, token_weights=ones)
+    want = (-torch.exp(logp - rollout).clamp(0.8, 1.2) * adv * logp).sum()
+    torch.testing.assert_close(loss, want)
+    old_anchor, _ = P.make_cispo(attrs.evolve(options, anchor="old"))(logp, old, adv, ones, rollout, token_weights=ones)
+    assert not torch.allclose(loss, old_anchor)
+
+
 def test_sapo_soft_gate_value_and_gradient():
     tau_pos, tau_neg = 1.0, 1.05
 
@@ -126,24 +156,27 @@ def test_sapo_gradient_equals_plain_policy_gradient_on_policy():
     torch.testing.assert_close(logp.grad, -adv / 2)
 
 
+@pytest.mark.parametrize("rollout", [True, False], ids=["behaviour=rollout", "behaviour=old"])
 @pytest.mark.parametrize("divergence", ["binary_tv", "binary_kl"])
-def test_dppo_masks_by_binary_divergence(divergence):
+def test_dppo_masks_by_binary_divergence(divergence, rollout):
+    """The behaviour policy mu is the rollout policy (the paper, upstream SkyRL), else the old one."""
     delta, cap = 0.15, 20.0
+    behaviour = ROLLOUT if rollout else OLD
 
     def rule(b, t):
-        p, mu, a = math.exp(LOGP[b][t]), math.exp(OLD[b][t]), ADV[b][t]
+        p, mu, a = math.exp(LOGP[b][t]), math.exp(behaviour[b][t]), ADV[b][t]
         if divergence == "binary_tv":
             d = abs(p - mu)
         else:
             d = mu * math.log(mu / p) + (1 - mu) * math.log((1 - mu) / (1 - p))
         blocked = (d > delta and p > mu) if a > 0 else (d > delta and p < mu)
-        weight = 0.0 if blocked else min(math.exp(log_ratio(b, t)), cap)
+        weight = 0.0 if blocked else min(math.exp(log_ratio(b, t, behaviour)), cap)
         return -weight * a * LOGP[b][t], -weight * a
 
-    metrics, grad = check(P.make_dppo(O.DPPOOptions(divergence=divergence)), rule)
-    # (1,1): probability fell from e^-0.5 to e^-8.5 with A < 0 -> outside the trust region, no gradient
+    metrics, grad = check(P.make_dppo(O.DPPOOptions(divergence=divergence)), rule, rollout=rollout)
+    # (1,1): probability fell from e^-0.4 (e^-0.5 old) to e^-8.5 with A < 0 -> outside the trust region
     assert grad[1, 1].item() == 0.0
-    # (1,0): probability rose from e^-9 to e^-1 (TV 0.37): with A < 0 the update moves back, so it is kept
+    # (1,0): probability rose from e^-9.5 (e^-9 old) to e^-1: with A < 0 the update moves back, so it is kept
     assert grad[1, 0].item() != 0.0
     assert metrics["clip_frac"] > 0
 
@@ -164,21 +197,32 @@ def test_dppo_binary_kl_and_tv_disagree_where_they_should():
     assert grads["binary_kl"][0] == 0.0 and grads["binary_kl"][1] != 0.0
 
 
-@pytest.mark.parametrize("level", ["token", "sequence"])
-def test_rollout_is_truncated_weight_times_ppo(level):
-    cap = 2.0
+@pytest.mark.parametrize("eps", [(0.2, 0.2), (0.5, 0.1)])
+def test_rollout_is_is_token_masked_is_on_the_rollout_policy(eps):
+    """Upstream SkyRL's rollout_is: ``-sg(r * 1[1 - eps_low < r < 1 + eps_high]) * A * log pi`` with
+    ``r = pi / pi_rollout``; old logprobs play no part."""
+    eps_low, eps_high = eps
 
     def rule(b, t):
-        loss, g = ppo_rule(b, t, 0.2, 0.2)
-        if level == "token":
-            w = math.exp(OLD[b][t] - ROLLOUT[b][t])
-        else:
-            w = math.exp(sum(OLD[b][u] - ROLLOUT[b][u] for u in range(4) if MASK[b][u]))
-        w = min(w, cap)
-        return w * loss, w * g
+        r, a = math.exp(log_ratio(b, t, ROLLOUT)), ADV[b][t]
+        w = r if 1 - eps_low < r < 1 + eps_high else 0.0
+        return -w * a * LOGP[b][t], -w * a
 
-    metrics, _ = check(P.make_rollout_is(O.RolloutISOptions(level=level, cap=cap)), rule)
-    assert 0 < metrics["is_capped_frac"] < 1  # (0,2) has pi_old / pi_rollout = e^1.3 > 2
+    metrics, grad = check(P.make_rollout_is(O.RolloutISOptions(eps_low=eps_low, eps_high=eps_high)), rule)
+    # (0,2): pi / pi_rollout = e^0.95, outside either band: no gradient at all
+    assert grad[0, 2].item() == 0.0
+    # (2,0): r = e^0.2 = 1.22: in the band with eps_high 0.2? no (>= 1.2); with 0.1 neither
+    assert grad[2, 0].item() == 0.0
+    # (0,0): r = e^0.1 = 1.105: inside (0.8, 1.2), outside (0.5, 1.1)
+    assert (grad[0, 0].item() != 0.0) == (eps_high == 0.2)
+    assert 0 < metrics["clip_frac"] < 1
+
+
+def test_rollout_is_needs_no_old_logprobs():
+    logp, _, adv, mask, ro = tensors()
+    with_old, _ = P.make_rollout_is()(logp, torch.zeros_like(ro), adv, mask, ro)
+    without_old, _ = P.make_rollout_is()(logp, None, adv, mask, ro)
+    assert with_old.item() == without_old.item()
 
 
 def test_rollout_is_needs_rollout_logprobs():
@@ -266,7 +310,7 @@ def test_gspo_clipped_sequence_gets_zero_gradient_on_every_token():
 
 def test_gspo_default_clip_is_papers_3e4_4e4():
     assert (O.GSPOOptions().eps_low, O.GSPOOptions().eps_high) == (3e-4, 4e-4)
-    assert O.GSPOOptions().loss_reduction == "sequence_mean"
+    assert O.GSPOOptions().loss_reduction is None and O.GSPOOptions.default_reduction == "sequence_mean"
 
 
 # --- Clip-Cov / KL-Cov ---------------------------------------------------------------------------
@@ -279,21 +323,27 @@ def covariances():
     return {(b, t): (LOGP[b][t] - mean_lp) * (ADV[b][t] - mean_a) for b, t in pts}
 
 
-def test_clip_cov_drops_every_in_band_token_when_ratio_allows():
+def ppo_clipped(b, t, eps=0.2):
+    r, a = math.exp(log_ratio(b, t)), ADV[b][t]
+    return -a * clip(r, 1 - eps, 1 + eps) > -a * r
+
+
+def test_clip_cov_keeps_ppo_clip_and_drops_unclipped_in_band_tokens():
+    """Clip-Cov (reference and upstream SkyRL): PPO's clipped surrogate; the candidates are tokens PPO
+    did not clip with covariance strictly inside the band."""
     cov = covariances()
-    low, high = -0.05, 0.05
-    band = {k for k, c in cov.items() if low <= c <= high}
-    assert 0 < len(band) < 10  # the fixture exercises both cases
+    low, high = -0.05, 0.6  # holds (3,0), (2,3), (0,2) and (2,2), which PPO clips
+    band = {k for k, c in cov.items() if low < c < high}
+    dropped = {k for k in band if not ppo_clipped(*k)}
+    assert 0 < len(dropped) < len(band) < 10  # a clipped token in the band must stay (and keep its value)
 
     def rule(b, t):
-        if (b, t) in band:
-            return 0.0, 0.0
-        r = math.exp(log_ratio(b, t))
-        return -r * ADV[b][t], -r * ADV[b][t]
+        return (0.0, 0.0) if (b, t) in dropped else ppo_rule(b, t, 0.2, 0.2)
 
     metrics, grad = check(P.make_clip_cov(O.ClipCovOptions(clip_ratio=1.0, cov_low=low, cov_high=high)), rule)
-    assert all(grad[b, t].item() == 0.0 for b, t in band)
-    assert metrics["cov_dropped_frac"] == pytest.approx(len(band) / 10)
+    assert all(grad[b, t].item() == 0.0 for b, t in dropped)
+    assert metrics["cov_dropped_frac"] == pytest.approx(len(dropped) / 10)
+    assert metrics["clip_frac"] == pytest.approx(2 / 10)
 
 
 def test_clip_cov_drops_a_seeded_random_subset_of_the_band():

@@ -92,8 +92,12 @@ def test_load_advantage_estimator():
     adv, _ = est(rewards, torch.ones(3, 2), ["p", "p", "p"])
     assert adv[:, 0].tolist() == pytest.approx([1 - 4 / 3, -4 / 3, 3 - 4 / 3])  # mean 4/3, no std
     assert skyrl_core.load_advantage_estimator("reinforce++", gamma=0.5).options.gamma == 0.5
-    with pytest.raises(ConfigError, match=r"advantage_estimator:gae\.lam: 0 is invalid: lam must be in \(0, 1\]"):
-        skyrl_core.load_advantage_estimator("gae", lam=0)
+    # 0 is a valid discount and lambda (upstream SkyRL accepts them: one-step TD, no future reward)
+    assert skyrl_core.load_advantage_estimator("gae", lam=0, gamma=0).options.lam == 0
+    with pytest.raises(ConfigError, match=r"advantage_estimator:gae\.lam: 1\.5 is invalid: lam must be in \[0, 1\]"):
+        skyrl_core.load_advantage_estimator("gae", lam=1.5)
+    with pytest.raises(ConfigError, match=r"advantage_estimator:reinforce\+\+\.gamma: -0\.1 is invalid"):
+        skyrl_core.load_advantage_estimator("reinforce++", gamma=-0.1)
 
 
 def test_options_validate_directly():
@@ -124,7 +128,9 @@ def test_docs_have_a_section_per_algorithm_with_its_true_defaults():
                 continue
             assert name in documented, f"{rec.name}: option {name} is not documented"
             written = documented[name]
-            if isinstance(default, bool):
+            if default is None:
+                assert written == "null", (rec.name, name)
+            elif isinstance(default, bool):
                 assert written == str(default).lower(), (rec.name, name)
             elif isinstance(default, str):
                 assert written == f'"{default}"', (rec.name, name)

@@ -57,7 +57,7 @@ def test_single_update_takes_old_logprobs_from_the_training_forward(tmp_path, fr
 
     monkeypatch.setattr(FSDPBackend, "forward", counting_forward)
     runs, calls = {}, {}
-    for name, extra in (("fused", []), ("separate", ["algorithm.off_policy.tis_cap=3.0"])):
+    for name, extra in (("fused", []), ("separate", ["algorithm.off_policy.token_tis_cap=3.0"])):
         cfg = load_config(config, [f"trainer.output_dir={tmp_path / name}", *extra], plugin_manager=fresh_plugin_manager)
         forward_calls.clear()
         runs[name] = read_metrics(train(cfg, plugin_manager=fresh_plugin_manager).run_dir)[1:]
