@@ -63,7 +63,14 @@ def _strict_converter() -> cattrs.Converter:
             raise ValueError("expected a string")
         return value
 
+    def to_str_tuple(value: Any, _: type) -> tuple[str, ...]:
+        # A bare string would otherwise become a tuple of its characters.
+        if not isinstance(value, (list, tuple)):
+            raise ValueError("expected a list of strings")
+        return tuple(to_str(v, str) for v in value)
+
     conv.register_structure_hook(bool, to_bool)
+    conv.register_structure_hook_func(lambda tp: tp == tuple[str, ...], to_str_tuple)
     conv.register_structure_hook(int, to_int)
     conv.register_structure_hook(float, to_float)
     conv.register_structure_hook(str, to_str)
@@ -73,14 +80,7 @@ def _strict_converter() -> cattrs.Converter:
 CONVERTER = _strict_converter()
 
 
-    def to_str_tuple(value: Any, _: type) -> tuple[str, ...]:
-        # A bare string would otherwise become a tuple of its characters.
-        if not isinstance(value, (list, tuple)):
-            raise ValueError("expected a list of strings")
-        return tuple(to_str(v, str) for v in value)
-
 class _Walker:
-    conv.register_structure_hook_func(lambda tp: tp == tuple[str, ...], to_str_tuple)
     """Structures plain data into attrs classes, collecting ``ConfigIssue``s instead of stopping."""
 
     def __init__(self, plugin_manager: Any = None) -> None:
@@ -306,6 +306,8 @@ def structure_config(data: dict[str, Any], *, plugin_manager: Any = None, source
         result = walker.options(spec, plugin_sections.get(name) or {}, name)
         if result is not _INVALID:
             plugin_values[name] = result
+    if base is not None:
+        _check_loggers(walker, base.trainer.loggers, plugin_manager)
     if walker.issues or base is None:
         raise ConfigError(walker.issues or [ConfigIssue("", "invalid config")], source)
     try:  # AlgorithmConfig checks its settings against the selected loss's options
@@ -321,6 +323,17 @@ def structure_config(data: dict[str, Any], *, plugin_manager: Any = None, source
         algorithm=algorithm,
         plugins=plugin_values,
     )
+
+
+def _check_loggers(walker: _Walker, names: tuple[str, ...], plugin_manager: Any) -> None:
+    """``trainer.loggers``: registered names (``skyrl_register_loggers``), each at most once."""
+    registered = plugin_manager.registry.names("logger")
+    for i, name in enumerate(names):
+        if name not in registered:
+            walker.fail(f"trainer.loggers[{i}]", f"{show(name)} is not a registered logger",
+                        tuple(registered), suggest(name, registered))
+        elif name in names[:i]:
+            walker.fail(f"trainer.loggers[{i}]", f"{show(name)} is listed twice")
 
 
 def _default_selection(dotted: str) -> Selection:
@@ -357,16 +370,3 @@ def unstructure(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [unstructure(v) for v in value]
     return value
-    if base is not None:
-        _check_loggers(walker, base.trainer.loggers, plugin_manager)
-def _check_loggers(walker: _Walker, names: tuple[str, ...], plugin_manager: Any) -> None:
-    """``trainer.loggers``: registered names (``skyrl_register_loggers``), each at most once."""
-    registered = plugin_manager.registry.names("logger")
-    for i, name in enumerate(names):
-        if name not in registered:
-            walker.fail(f"trainer.loggers[{i}]", f"{show(name)} is not a registered logger",
-                        tuple(registered), suggest(name, registered))
-        elif name in names[:i]:
-            walker.fail(f"trainer.loggers[{i}]", f"{show(name)} is listed twice")
-
-

@@ -235,6 +235,10 @@ class TrainerConfig:
     )
     plot: bool = attrs.field(default=True, metadata=_help("write reward/eval plot PNG at the end"))
     progress: bool = attrs.field(default=True, metadata=_help("show progress bars"))
+    loggers: tuple[str, ...] = attrs.field(
+        default=("jsonl",), converter=tuple,
+        metadata=_help("metrics loggers: jsonl (always on), tensorboard, wandb (offline), mlflow (skyrl-loggers)"),
+    )
 
 
 @attrs.frozen(kw_only=True)
@@ -262,7 +266,3 @@ class Config:
     data: DataConfig = attrs.field(factory=DataConfig, metadata=_help("datasets"))
     trainer: TrainerConfig = attrs.field(factory=TrainerConfig, metadata=_help("training loop"))
     plugins: dict[str, Any] = attrs.field(factory=dict, metadata=_help("sections added by plugins (e.g. isoexec)"))
-    loggers: tuple[str, ...] = attrs.field(
-        default=("jsonl",), converter=tuple,
-        metadata=_help("metrics loggers: jsonl (always on), tensorboard, wandb (offline), mlflow (skyrl-loggers)"),
-    )

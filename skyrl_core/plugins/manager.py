@@ -41,11 +41,11 @@ REGISTRATION_HOOKS: dict[str, str] = {
     "skyrl_register_environments": "environment",
     "skyrl_register_ops": "op_impl",
     "skyrl_register_config_sections": "config_section",
+    "skyrl_register_loggers": "logger",
 }
 
 
 class PluginError(Exception):
-    "skyrl_register_loggers": "logger",
     """A plugin problem the user must fix (duplicate names, unknown components)."""
 
 

@@ -119,16 +119,6 @@ class ConfigSectionSpec(ComponentSpec):
     kind_title: ClassVar[str] = "config section"
 
 
-RECORD_TYPES: tuple[type[ComponentSpec], ...] = (
-    TrainingBackendSpec,
-    InferenceEngineSpec,
-    PolicyLossSpec,
-    AdvantageEstimatorSpec,
-    EnvironmentSpec,
-    OpImplSpec,
-    ConfigSectionSpec,
-)
-RECORD_BY_KIND: dict[str, type[ComponentSpec]] = {cls.kind: cls for cls in RECORD_TYPES}
 @attrs.frozen(kw_only=True)
 class LoggerSpec(ComponentSpec):
     """A metrics logger chosen by ``trainer.loggers``. ``factory(run_dir: str, config) -> MetricsSink``
@@ -138,4 +128,14 @@ class LoggerSpec(ComponentSpec):
     kind_title: ClassVar[str] = "logger"
 
 
+RECORD_TYPES: tuple[type[ComponentSpec], ...] = (
+    TrainingBackendSpec,
+    InferenceEngineSpec,
+    PolicyLossSpec,
+    AdvantageEstimatorSpec,
+    EnvironmentSpec,
+    OpImplSpec,
+    ConfigSectionSpec,
     LoggerSpec,
+)
+RECORD_BY_KIND: dict[str, type[ComponentSpec]] = {cls.kind: cls for cls in RECORD_TYPES}
