@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from typing import Any
 
 import click
@@ -61,11 +62,19 @@ def plugins_list(as_json: bool) -> None:
     table.add_column("provides", overflow="fold", ratio=1)
     for r in rows:
         status = "[green]ok[/]" if r.status == "ok" else f"[red]{r.status}[/]"
+        if r.status == "ok" and r.missing_requirements:
+            status = "[yellow]missing dependencies[/]"
         table.add_row(r.name, f"{r.distribution} {r.version}", r.kind, status, _group_provides(r.provides))
     console.print(table)
+    from skyrl_core.plugins.installation import install_command
+
     for r in rows:
         if r.error:
             console.print(f"[red]{r.name}[/]: {r.error}", markup=True, highlight=False)
+        elif r.missing_requirements:
+            console.print(f"[yellow]{r.name}[/]: needs {', '.join(r.missing_requirements)}, not installed; its "
+                          f"components cannot run until they are ({install_command(r.distribution)})",
+                          markup=True, highlight=False)
 
 
 def _group_provides(provides: list[str]) -> str:
@@ -85,9 +94,14 @@ def config() -> None:
 @click.argument("config_path", metavar="CONFIG")
 @click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of YAML.")
-def config_show(config_path: str, overrides: tuple[str, ...], as_json: bool) -> None:
-    """Validate CONFIG (plus dotted overrides) and print the resolved config."""
-    cfg = load_config_or_exit(config_path, list(overrides))
+@click.option("--skip-checks", is_flag=True,
+              help="Only validate keys and values; skip the checks of this machine (datasets, model, output "
+                   "directory, installed components) that `skyrl train` runs first.")
+def config_show(config_path: str, overrides: tuple[str, ...], as_json: bool, skip_checks: bool) -> None:
+    """Validate CONFIG (plus dotted overrides) as `skyrl train` would, and print the resolved config."""
+    cfg = load_config_or_exit(config_path, _with_shorthands(overrides))
+    if not skip_checks:
+        check_run_inputs_or_exit(cfg, config_path)
     from skyrl_core.config.loader import unstructure
 
     data = unstructure(cfg)
@@ -105,17 +119,39 @@ def config_show(config_path: str, overrides: tuple[str, ...], as_json: bool) -> 
 @click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
 def train(config_path: str, overrides: tuple[str, ...]) -> None:
     """Run RL training from CONFIG (plus dotted overrides such as trainer.lr=1e-6 resume=DIR)."""
-    overrides_list = list(overrides)
-    # `resume=DIR` is shorthand for `trainer.resume=DIR`.
-    overrides_list = [f"trainer.{o}" if o.startswith("resume=") else o for o in overrides_list]
-    cfg = load_config_or_exit(config_path, overrides_list)
+    cfg = load_config_or_exit(config_path, _with_shorthands(overrides))
     from skyrl_core.config.errors import ConfigError
     from skyrl_core.trainer.rl import train as run_training
+
+    from skyrl_core.trainer.divergence import NonFiniteTrainingError
 
     try:
         run_training(cfg)
     except ConfigError as exc:  # found by the pre-flight checks of paths, before any work
         exc.source = config_path
+        click.echo(exc.render(), err=True)
+        sys.exit(EXIT_CONFIG_ERROR)
+    except NonFiniteTrainingError as exc:  # the run diverged: one sentence, not a traceback
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+
+
+def _with_shorthands(overrides: tuple[str, ...]) -> list[str]:
+    """`resume=DIR` is shorthand for `trainer.resume=DIR` (in `train` and `config show` alike)."""
+    return [f"trainer.{o}" if o.startswith("resume=") else o for o in overrides]
+
+
+def check_run_inputs_or_exit(cfg: Any, path: str) -> None:
+    """The pre-flight checks `skyrl train` runs before any work (datasets, model, resume, output
+    directory, selected components); exit 2 with every problem."""
+    from skyrl_core.config.errors import ConfigError
+    from skyrl_core.trainer.preflight import check_run_inputs
+    from skyrl_core.trainer.runtime import SMOLLM2_DIR
+
+    try:
+        check_run_inputs(cfg, smollm2_dir=SMOLLM2_DIR)
+    except ConfigError as exc:
+        exc.source = path
         click.echo(exc.render(), err=True)
         sys.exit(EXIT_CONFIG_ERROR)
 
@@ -139,12 +175,28 @@ def build_cli() -> click.Group:
     for impl in pm.hook.skyrl_add_cli_commands.get_hookimpls():
         try:
             impl.function(cli=cli)
-        except Exception as exc:  # the core's commands must keep working
-            click.echo(f"warning: plugin {impl.plugin_name!r} failed to add commands: {exc}", err=True)
+        # The core's commands must keep working, whatever the plugin raises (sys.exit included).
+        except BaseException as exc:  # noqa: BLE001
+            from skyrl_core.plugins.manager import _describe
+
+            info = pm.infos.get(impl.plugin_name)
+            if info is not None and info.status == "ok":
+                info.status, info.error = "failed", f"skyrl_add_cli_commands: {_describe(exc)}"
+            click.echo(f"warning: plugin {impl.plugin_name!r} failed to add commands: {_describe(exc)}", err=True)
     return cli
 
 
+def _show_plugin_warnings(message: Any, category: type, *args: Any, _default=warnings.showwarning, **kwargs: Any) -> None:
+    from skyrl_core.plugins.manager import SkyrlPluginWarning
+
+    if issubclass(category, SkyrlPluginWarning):
+        click.echo(f"warning: {message}", err=True)
+    else:
+        _default(message, category, *args, **kwargs)
+
+
 def main(argv: list[str] | None = None) -> None:
+    warnings.showwarning = _show_plugin_warnings
     build_cli()(args=argv, prog_name="skyrl")
 
 

@@ -9,6 +9,7 @@ with the selected plugin's options class. All problems are collected and raised 
 
 from __future__ import annotations
 
+import math
 import os
 import types
 import typing
@@ -46,17 +47,26 @@ def _strict_converter() -> cattrs.Converter:
             number = float(value) if isinstance(value, str) else value
             if isinstance(number, float) and not number.is_integer():
                 raise ValueError
-            return int(number)
+            number = int(number)
         except (ValueError, OverflowError):
             raise ValueError("expected an integer") from None
+        if not -(2**63) <= number < 2**63:
+            raise ValueError("expected an integer of at most 64 bits")
+        return number
 
     def to_float(value: Any, _: type) -> float:
         if isinstance(value, bool) or not isinstance(value, (int, float, str)):
             raise ValueError("expected a number")
         try:
-            return float(value)
+            number = float(value)
         except ValueError:
             raise ValueError("expected a number") from None
+        except OverflowError:  # an integer beyond the float range
+            raise ValueError("expected a finite number") from None
+        # inf or nan would train silently into NaN weights: every float in a config must be finite
+        if not math.isfinite(number):
+            raise ValueError("expected a finite number")
+        return number
 
     def to_str(value: Any, _: type) -> str:
         if not isinstance(value, str):
@@ -101,7 +111,11 @@ class _Walker:
         for key in data:
             if key not in fields:
                 allowed = tuple(sorted([*fields, *extra_keys]))
-                self.fail(_join(path, str(key)), "unknown key", allowed, suggest(str(key), allowed))
+                from skyrl_core.plugins.installation import provider_hint
+
+                hint = None if path else provider_hint("config_section", str(key))
+                self.fail(_join(path, str(key)), f"unknown key: a section {hint}, which is not installed" if hint
+                          else "unknown key", allowed, suggest(str(key), allowed))
         kwargs: dict[str, Any] = {}
         ok = True
         for name, field in fields.items():
@@ -136,8 +150,14 @@ class _Walker:
             return None
 
     def value(self, tp: Any, data: Any, path: str) -> Any:
-        if tp is Any or tp is None:
-            return data
+        if tp is Any or tp is None or typing.get_origin(tp) is dict:
+            # free-form values (a transformers config, plugin extras): still no inf or nan anywhere
+            where = _first_non_finite(data, path)
+            if where is not None:
+                self.fail(where[0], f"{show(where[1])} is invalid: expected a finite number")
+                return None
+            if tp is Any or tp is None:
+                return data
         if attrs.has(tp):
             return self.attrs_class(tp, data, path)
         origin = typing.get_origin(tp)
@@ -167,7 +187,13 @@ class _Walker:
         try:
             spec = self.pm.spec(kind, sel.name)
         except UnknownComponentError as exc:
+            from skyrl_core.plugins.installation import provider_hint
+
             title = exc.args[0].split(" is not a registered ", 1)[1].split(";", 1)[0]
+            hint = provider_hint(kind, sel.name)
+            if hint:  # a known component whose package is not installed: say what to install
+                self.fail(_join(path, "name"), f"{show(sel.name)} is {hint}, which is not installed")
+                return None
             self.fail(_join(path, "name"), f"{show(sel.name)} is not a registered {title}",
                       tuple(exc.allowed), suggest(sel.name, exc.allowed))
             return None
@@ -207,6 +233,23 @@ def _partial_instance(fields: Mapping[str, Any], kwargs: Mapping[str, Any], name
     return types.SimpleNamespace(**values)
 
 
+def _first_non_finite(data: Any, path: str) -> tuple[str, float] | None:
+    """The key path and value of the first inf or nan float in ``data`` (nested), else None."""
+    if isinstance(data, float) and not math.isfinite(data):
+        return path, data
+    if isinstance(data, Mapping):
+        items = ((_join(path, str(k)), v) for k, v in data.items())
+    elif isinstance(data, (list, tuple)):
+        items = ((f"{path}[{i}]", v) for i, v in enumerate(data))
+    else:
+        return None
+    for where, value in items:
+        found = _first_non_finite(value, where)
+        if found is not None:
+            return found
+    return None
+
+
 def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
@@ -222,11 +265,23 @@ def _leaf_message(exc: BaseException) -> str:
 
 def load_yaml(path: str) -> dict[str, Any]:
     """Read a YAML config file; a missing or malformed file is a ``ConfigError``."""
+    from skyrl_core.config.yaml_limits import MAX_BYTES, YAMLLimitError, load_bounded
+
     if not os.path.exists(path):
         raise ConfigError([ConfigIssue("", "the file does not exist")], source=path)
+    if os.path.isdir(path):
+        raise ConfigError([ConfigIssue("", "is a directory; give a YAML config file")], source=path)
     try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+        with open(path, "rb") as f:
+            raw = f.read(MAX_BYTES + 1)
+        data = load_bounded(raw.decode("utf-8"))
+    except OSError as exc:
+        raise ConfigError([ConfigIssue("", f"cannot be read: {exc.strerror or exc}")], source=path) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError([ConfigIssue("", f"is not UTF-8 text (byte {raw[exc.start]:#04x} at offset {exc.start})")],
+                          source=path) from None
+    except YAMLLimitError as exc:
+        raise ConfigError([ConfigIssue("", f"refused: the YAML {exc}")], source=path) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -243,8 +298,12 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key, sep, raw = text.partition("=")
     if not sep or not key or any(not part for part in key.split(".")):
         raise ConfigError([ConfigIssue("", f"override {text!r} must look like key.path=value")])
+    from skyrl_core.config.yaml_limits import YAMLLimitError, load_bounded
+
     try:
-        value = yaml.safe_load(raw) if raw != "" else ""
+        value = load_bounded(raw) if raw != "" else ""
+    except YAMLLimitError as exc:
+        raise ConfigError([ConfigIssue(key, f"override value refused: the YAML {exc}")]) from None
     except yaml.YAMLError:
         value = raw
     return key.split("."), value

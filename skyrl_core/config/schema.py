@@ -229,6 +229,11 @@ class TrainerConfig:
     output_dir: str = attrs.field(default="runs/default", metadata=_help("where metrics, plots and checkpoints go"))
     seed: int = attrs.field(default=0, metadata=_help("global seed"))
     resume: str | None = attrs.field(default=None, metadata=_help("checkpoint directory to resume from"))
+    overwrite: bool = attrs.field(
+        default=False,
+        metadata=_help("start in a non-empty output_dir anyway, deleting the run files there (config.yaml, "
+                       "metrics, plot, checkpoints/); false: such a directory is refused unless resumed"),
+    )
     mode: str = attrs.field(default="sync", validator=_one_of("sync", "one_step_off", "fully_async"), metadata=_help("training mode"))
     reuse_rollout_logprobs: bool = attrs.field(
         default=False, metadata=_help("use engine logprobs as old logprobs (only safe with a verified execution contract)")

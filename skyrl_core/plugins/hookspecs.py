@@ -93,7 +93,7 @@ def skyrl_register_environments(register: Callable[[EnvironmentSpec], None]) -> 
 
     ``factory(**options)`` returns a ``skyrl_core.interfaces.Environment``. A package that only
     ships environments may instead use the lighter entry-point group ``skyrl.environments``
-    (``name = "module:Class"``), loaded with stevedore.
+    (``name = "module:Class"``), each loaded in isolation.
 
     Example::
 

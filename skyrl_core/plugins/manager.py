@@ -2,11 +2,13 @@
 
 Loading order: the core's built-in plugins, then every entry point of the group ``skyrl`` (each one
 loaded in isolation: a plugin that fails to import or to register is recorded with its error and
-the others go on), then environments from the stevedore group ``skyrl.environments``.
+the others go on), then environments from the entry-point group ``skyrl.environments`` (each loaded in isolation too;
+whatever a plugin raises, ``SystemExit`` and ``KeyboardInterrupt`` included, is recorded).
 
 Environment variables:
 - ``SKYRL_DISABLE_PLUGIN_AUTOLOAD=1``: load only the built-ins (and plugins registered by hand).
-- ``SKYRL_PLUGINS=a,b``: an allowlist of entry-point names to load (built-ins always load).
+- ``SKYRL_PLUGINS=a,b``: an allowlist of entry-point names to load (built-ins always load); a name
+  that is not installed is warned about (``SkyrlPluginWarning``) and listed as "not installed".
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import importlib
 import os
 import sys
 import traceback
+import warnings
 from importlib import metadata
 from typing import Any, Callable, Iterable
 
@@ -23,6 +26,7 @@ import attrs
 import pluggy
 
 from skyrl_core.plugins import PROJECT_NAME, hookspecs
+from skyrl_core.plugins.installation import missing_requirements
 from skyrl_core.plugins.records import RECORD_BY_KIND, ComponentSpec, EnvironmentSpec
 
 ENTRY_POINT_GROUP = "skyrl"
@@ -43,6 +47,10 @@ REGISTRATION_HOOKS: dict[str, str] = {
     "skyrl_register_config_sections": "config_section",
     "skyrl_register_loggers": "logger",
 }
+
+
+class SkyrlPluginWarning(UserWarning):
+    """Something about the installed plugins the user should know (e.g. an unknown SKYRL_PLUGINS name)."""
 
 
 class PluginError(Exception):
@@ -68,9 +76,12 @@ class PluginInfo:
     distribution: str
     version: str
     kind: str  # "builtin" | "plugin" | "environments"
-    status: str = "ok"  # "ok" | "failed" | "disabled"
+    status: str = "ok"  # "ok" | "failed" | "disabled" | "not installed"
     error: str | None = None
     provides: list[str] = attrs.field(factory=list)
+    # Runtime requirements of its distribution that are not installed (from package metadata): the
+    # plugin registers, but its components cannot run until they are.
+    missing_requirements: list[str] = attrs.field(factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)
@@ -94,6 +105,19 @@ class Registry:
             )
         table[spec.name] = (spec, owner)
         owner.provides.append(f"{spec.kind}:{spec.name}")
+
+    def add_all(self, specs: list[ComponentSpec], owner: PluginInfo) -> None:
+        """Add every one of ``specs`` or, on the first clash, none."""
+        seen: set[tuple[str, str]] = set()
+        for spec in specs:
+            if (spec.kind, spec.name) in seen:
+                raise PluginError(f"{spec.kind_title} {spec.name!r} is registered twice by {owner.distribution} "
+                                  f"(plugin {owner.name!r})")
+            seen.add((spec.kind, spec.name))
+            if spec.name in self.entries[spec.kind]:
+                self.add(spec, owner)  # raises, naming both plugins
+        for spec in specs:
+            self.add(spec, owner)
 
     def names(self, kind: str) -> list[str]:
         return sorted(self.entries[kind])
@@ -130,7 +154,13 @@ class SkyrlPluginManager(pluggy.PluginManager):
         if _truthy(os.environ.get("SKYRL_DISABLE_PLUGIN_AUTOLOAD")):
             return
         allow = _allowlist()
-        for ep in _entry_points(ENTRY_POINT_GROUP):
+        installed = _entry_points(ENTRY_POINT_GROUP)
+        for unknown in sorted((allow or set()) - {ep.name for ep in installed}):
+            message = (f"SKYRL_PLUGINS names {unknown!r}, which is not an installed plugin; installed: "
+                       f"{', '.join(ep.name for ep in installed) or '(none)'}")
+            self.infos[unknown] = PluginInfo(unknown, "-", "-", "plugin", status="not installed", error=message)
+            warnings.warn(message, SkyrlPluginWarning, stacklevel=2)
+        for ep in installed:
             dist = ep.dist.name if ep.dist else "?"
             version = ep.dist.version if ep.dist else "?"
             if allow is not None and ep.name not in allow:
@@ -142,11 +172,15 @@ class SkyrlPluginManager(pluggy.PluginManager):
     def _load_one(self, name: str, dist: str, version: str, kind: str, load: Callable[[], Any]) -> None:
         info = PluginInfo(name, dist, version, kind)
         self.infos[name] = info
+        if kind == "plugin":
+            info.missing_requirements = missing_requirements(dist)
         try:
             plugin = load()
             self.register(plugin, name=name)
             self.check_pending()
-        except Exception as exc:  # a broken plugin must never break the others
+        # A broken plugin must never break the others, whatever it raises: sys.exit() and
+        # KeyboardInterrupt at import are BaseExceptions, and would otherwise end every command.
+        except BaseException as exc:  # noqa: BLE001
             if self.has_plugin(name):
                 self.unregister(name=name)
             info.status, info.error = "failed", _describe(exc)
@@ -165,16 +199,22 @@ class SkyrlPluginManager(pluggy.PluginManager):
         return self._registry
 
     def _collect(self) -> Registry:
+        """Every plugin's records, all or nothing per plugin: one that fails in any registration
+        hook, or registers a name twice or a name another plugin registered first, is marked
+        failed and contributes nothing (the others, and every command, go on)."""
         registry = Registry()
         for info in self.infos.values():
             info.provides.clear()
+        by_owner: dict[str, list[ComponentSpec]] = {}
+        owners: dict[str, PluginInfo] = {}
         for hook_name, default_kind in REGISTRATION_HOOKS.items():
             for impl in getattr(self.hook, hook_name).get_hookimpls():
                 owner = self.infos.get(impl.plugin_name) or PluginInfo(impl.plugin_name, "?", "?", "plugin")
                 if owner.status != "ok":
                     continue
+                owners[impl.plugin_name] = owner
                 allowed_kinds = {"policy_loss", "advantage_estimator"} if default_kind == "policy_loss" else {default_kind}
-                collected: list[ComponentSpec] = []
+                collected = by_owner.setdefault(impl.plugin_name, [])
 
                 def register(spec: ComponentSpec, _kinds=allowed_kinds, _hook=hook_name, _out=collected) -> None:
                     if not isinstance(spec, ComponentSpec) or spec.kind not in _kinds:
@@ -183,12 +223,16 @@ class SkyrlPluginManager(pluggy.PluginManager):
 
                 try:
                     impl.function(register=register)
-                    for spec in collected:
-                        registry.add(spec, owner)
-                except PluginError:
-                    raise
-                except Exception as exc:
+                except BaseException as exc:  # noqa: BLE001 - see _load_one
                     owner.status, owner.error = "failed", _describe(exc)
+        for plugin_name, specs in by_owner.items():
+            owner = owners[plugin_name]
+            if owner.status != "ok":
+                continue
+            try:
+                registry.add_all(specs, owner)
+            except PluginError as exc:
+                owner.status, owner.error = "failed", str(exc)
         self._load_environment_entrypoints(registry)
         return registry
 
@@ -196,29 +240,22 @@ class SkyrlPluginManager(pluggy.PluginManager):
         """Environments mapped by one line in a package's pyproject (group ``skyrl.environments``)."""
         if _truthy(os.environ.get("SKYRL_DISABLE_PLUGIN_AUTOLOAD")):
             return
-        from stevedore import ExtensionManager
-
-        failures: dict[str, Exception] = {}
-
-        def on_failure(_manager: Any, ep: Any, exc: Exception) -> None:
-            failures[ep.name] = exc
-
-        extensions = ExtensionManager(ENVIRONMENT_GROUP, invoke_on_load=False, on_load_failure_callback=on_failure)
         by_name = {ep.name: ep for ep in _entry_points(ENVIRONMENT_GROUP)}
         for ep_name, ep in sorted(by_name.items()):
             dist = ep.dist.name if ep.dist else "?"
             version = ep.dist.version if ep.dist else "?"
             info = self.infos.setdefault(f"env:{ep_name}", PluginInfo(ep_name, dist, version, "environments"))
             info.provides.clear()
-            if ep_name in failures:
-                info.status, info.error = "failed", _describe(failures[ep_name])
+            try:
+                ep.load()  # for validation; the factory is imported again lazily on use
+            except BaseException as exc:  # noqa: BLE001 - see _load_one
+                info.status, info.error = "failed", _describe(exc)
                 continue
             spec = EnvironmentSpec(name=ep_name, factory=ep.value, description=f"entry point of {dist}")
             try:
                 registry.add(spec, info)
             except PluginError as exc:
                 info.status, info.error = "failed", str(exc)
-        del extensions  # loaded for validation; factories are imported again lazily on use
 
     # -- building components ---------------------------------------------------------------------
 

@@ -47,9 +47,18 @@ class ComponentSpec:
     factory: str = attrs.field(validator=_check_import_path)
     options: str | None = attrs.field(default=None, validator=_check_import_path)
     description: str = ""
+    # ``"module:function"``, called before a run as ``function(config, options)`` with the whole
+    # ``Config`` and this component's structured options; returns the problems (one sentence each,
+    # e.g. "needs a CUDA GPU") that would stop the component here. Must import nothing heavy.
+    preflight: str | None = attrs.field(default=None, validator=_check_import_path)
 
     def load_factory(self) -> Any:
         return import_object(self.factory)
+
+    def preflight_problems(self, config: Any, options: Any) -> list[str]:
+        if self.preflight is None:
+            return []
+        return [str(p) for p in import_object(self.preflight)(config, options) or ()]
 
     def load_options_class(self) -> type | None:
         return import_object(self.options) if self.options else None

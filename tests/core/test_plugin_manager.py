@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from skyrl_core.plugins import hookimpl
-from skyrl_core.plugins.manager import PluginError, UnknownComponentError, new_plugin_manager
+from skyrl_core.plugins.manager import UnknownComponentError, new_plugin_manager
 from skyrl_core.plugins.records import EnvironmentSpec, InferenceEngineSpec, PolicyLossSpec
 
 
@@ -27,13 +27,14 @@ def test_builtins_register_first_and_listing_names_them(builtin_plugin_manager):
     assert "op_impl:torch.linear" in core.provides
 
 
-def test_duplicate_name_names_both_distributions(builtin_plugin_manager):
+def test_duplicate_name_fails_the_second_plugin_only_and_names_both_distributions(builtin_plugin_manager):
     pm = builtin_plugin_manager
     pm.register_plugin(EnginePlugin("dup"), "first", distribution="dist-one")
     pm.register_plugin(EnginePlugin("dup"), "second", distribution="dist-two")
-    with pytest.raises(PluginError) as info:
-        pm.registry
-    message = str(info.value)
+    assert pm.registry.names("inference_engine") == ["dup"]
+    assert pm.registry.owner("inference_engine", "dup").name == "first"
+    assert pm.infos["first"].status == "ok" and pm.infos["second"].status == "failed"
+    message = pm.infos["second"].error
     assert "'dup'" in message and "dist-one" in message and "dist-two" in message
 
 
