@@ -1,0 +1,234 @@
+"""The HTTP face of ``TinkerService``: the routes the official ``tinker`` SDK (0.38) calls.
+
+JSON bodies are validated with the SDK's own request types (``tinker.types``), so the wire format
+is the SDK's by construction; a body that does not fit gets 422 naming each bad field.
+``forward_backward`` bodies are protobuf (``skyrl_tinker.wire``). Every 4xx carries
+``x-should-retry: false`` so the SDK reports it instead of retrying it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from typing import Any, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from skyrl_tinker.service import TinkerError, TinkerService
+from skyrl_tinker.wire import WireError, decode_forward_backward
+
+API = "/api/v1"
+NO_RETRY = {"x-should-retry": "false"}
+# How long retrieve_future holds a request open waiting for its result (the SDK polls again at once).
+LONG_POLL_SECONDS = 10.0
+DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+def error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"detail": message}, status_code=status, headers=NO_RETRY)
+
+
+def owner_of(key: str | None) -> str:
+    return "anonymous" if not key else hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def create_app(service: TinkerService, *, api_keys: set[str] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    from pydantic import ValidationError
+    from tinker import types
+
+    app = FastAPI(title="skyrl Tinker server")
+    app.state.service = service
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next: Callable) -> Response:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > max_body_bytes:
+            return error(413, f"request body of {length} bytes exceeds the server's limit of {max_body_bytes} bytes")
+        key = request.headers.get("x-api-key")
+        if api_keys is not None and request.url.path != f"{API}/healthz":
+            if not key:
+                return error(401, "missing API key (header X-API-Key)")
+            if key not in api_keys:
+                return error(401, "invalid API key")
+        request.state.owner = owner_of(key)
+        return await call_next(request)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404 and exc.detail == "Not Found":
+            return error(404, f"no route {request.method} {request.url.path}")
+        if exc.status_code == 405:
+            return error(405, f"{request.url.path} does not accept {request.method}")
+        return error(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(TinkerError)
+    async def refused(request: Request, exc: TinkerError) -> JSONResponse:
+        return error(exc.status, str(exc))
+
+    async def body(request: Request, model: type) -> Any:
+        raw = await request.body()
+        if len(raw) > max_body_bytes:
+            raise TinkerError(f"request body of {len(raw)} bytes exceeds the server's limit of {max_body_bytes} bytes", status=413)
+        try:
+            return model.model_validate_json(raw or b"{}")
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()[:8]
+            )
+            raise TinkerError(f"{model.__name__}: {problems}", status=422) from None
+
+    def owner(request: Request) -> str:
+        return request.state.owner
+
+    # --- service --------------------------------------------------------------------------------------
+
+    @app.get(f"{API}/healthz")
+    async def healthz() -> dict:
+        return {"status": "ok"}
+
+    @app.get(f"{API}/get_server_capabilities")
+    async def capabilities() -> dict:
+        return {"supported_models": [{"model_name": service.base_model, "max_context_length": service.trainer.max_len,
+                                      "trainable": True, "sampleable": True}]}
+
+    @app.post(f"{API}/client/config")
+    async def client_config(request: Request) -> dict:
+        await body(request, types.ClientConfigRequest)
+        # Plain API keys, uncompressed protobuf fwd/bwd, per-request polling, client-side custom losses.
+        return {"pjwt_auth_enabled": False, "proto_compress_fwdbwd": False, "sample_use_retrieve_futures": False,
+                "custom_loss_server_side": False, "sample_join_sampling_session": False}
+
+    @app.post(f"{API}/client/dynamic_config")
+    async def dynamic_config() -> dict:
+        return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
+
+    @app.post(f"{API}/telemetry")
+    async def telemetry() -> dict:
+        return {"status": "accepted"}  # the SDK's usage events are not kept
+
+    @app.post(f"{API}/create_session")
+    async def create_session(request: Request) -> dict:
+        r = await body(request, types.CreateSessionRequest)
+        session_id = service.create_session(owner(request), r.tags, r.user_metadata, r.sdk_version)
+        return {"type": "create_session", "session_id": session_id}
+
+    @app.post(f"{API}/session_heartbeat")
+    async def heartbeat(request: Request) -> dict:
+        r = await body(request, types.SessionHeartbeatRequest)
+        service.heartbeat(owner(request), r.session_id)
+        return {"type": "session_heartbeat"}
+
+    @app.post(f"{API}/sessions/{{session_id}}/finish")
+    async def finish_session(request: Request, session_id: str) -> dict:
+        service.heartbeat(owner(request), session_id)
+        return {}
+
+    # --- training -------------------------------------------------------------------------------------
+
+    @app.post(f"{API}/create_model")
+    async def create_model(request: Request) -> dict:
+        return service.create_model(owner(request), await body(request, types.CreateModelRequest))
+
+    @app.post(f"{API}/get_info")
+    async def get_info(request: Request) -> dict:
+        r = await body(request, types.GetInfoRequest)
+        return service.get_info(owner(request), r.model_id)
+
+    @app.post(f"{API}/forward_backward")
+    async def forward_backward(request: Request) -> dict:
+        raw = await request.body()
+        if len(raw) > max_body_bytes:
+            raise TinkerError(f"request body of {len(raw)} bytes exceeds the server's limit of {max_body_bytes} bytes", status=413)
+        if "protobuf" not in request.headers.get("content-type", ""):
+            raise TinkerError("forward_backward takes an application/x-protobuf body (tinker SDK >= 0.38)", status=415)
+        try:
+            call = decode_forward_backward(raw, request.headers.get("content-encoding"))
+        except WireError as exc:
+            raise TinkerError(str(exc), status=422) from None
+        return service.forward_backward(owner(request), call)
+
+    @app.post(f"{API}/optim_step")
+    async def optim_step(request: Request) -> dict:
+        return service.optim_step(owner(request), await body(request, types.OptimStepRequest))
+
+    @app.post(f"{API}/save_weights")
+    async def save_weights(request: Request) -> dict:
+        return service.save_weights(owner(request), await body(request, types.SaveWeightsRequest))
+
+    @app.post(f"{API}/save_weights_for_sampler")
+    async def save_weights_for_sampler(request: Request) -> dict:
+        return service.save_weights_for_sampler(owner(request), await body(request, types.SaveWeightsForSamplerRequest))
+
+    @app.post(f"{API}/load_weights")
+    async def load_weights(request: Request) -> dict:
+        return service.load_weights(owner(request), await body(request, types.LoadWeightsRequest))
+
+    # --- sampling -------------------------------------------------------------------------------------
+
+    @app.post(f"{API}/create_sampling_session")
+    async def create_sampling_session(request: Request) -> dict:
+        r = await body(request, types.CreateSamplingSessionRequest)
+        return {"type": "create_sampling_session", "sampling_session_id": service.create_sampling_session(owner(request), r)}
+
+    @app.get(f"{API}/samplers/{{sampler_id}}")
+    async def sampler(request: Request, sampler_id: str) -> dict:
+        return service.sampler_info(owner(request), sampler_id)
+
+    @app.post(f"{API}/asample")
+    async def asample(request: Request) -> dict:
+        return service.asample(owner(request), await body(request, types.SampleRequest))
+
+    # --- futures --------------------------------------------------------------------------------------
+
+    @app.post(f"{API}/retrieve_future")
+    async def retrieve_future(request: Request) -> Response:
+        r = await body(request, types.FutureRetrieveRequest)
+        event = service.done_event(r.request_id)
+        waited = 0.0
+        while event is not None and not event.is_set() and waited < LONG_POLL_SECONDS:
+            await asyncio.sleep(0.005)
+            waited += 0.005
+        form, payload = service.retrieve(owner(request), r.request_id)
+        if form == "proto":
+            return Response(payload, media_type="application/x-protobuf")
+        return JSONResponse(payload)
+
+    @app.post(f"{API}/cancel_future")
+    async def cancel_future() -> dict:
+        return {}  # queued work runs to completion; its result is simply not fetched
+
+    # --- checkpoints and training runs ----------------------------------------------------------------
+
+    @app.get(f"{API}/training_runs")
+    async def training_runs(request: Request, limit: int = 20, offset: int = 0) -> dict:
+        return service.training_runs(owner(request), limit, offset)
+
+    @app.get(f"{API}/training_runs/{{model_id}}")
+    async def training_run(request: Request, model_id: str) -> dict:
+        return service.training_run(owner(request), model_id)
+
+    @app.get(f"{API}/training_runs/{{model_id}}/checkpoints")
+    async def run_checkpoints(request: Request, model_id: str) -> dict:
+        return {"checkpoints": service.checkpoints(owner(request), model_id)}
+
+    @app.delete(f"{API}/training_runs/{{model_id}}/checkpoints/{{checkpoint_id:path}}")
+    async def delete_checkpoint(request: Request, model_id: str, checkpoint_id: str) -> dict:
+        service.delete_checkpoint(owner(request), model_id, checkpoint_id)
+        return {}
+
+    @app.get(f"{API}/checkpoints")
+    async def checkpoints(request: Request, limit: int = 100, offset: int = 0) -> dict:
+        rows = service.checkpoints(owner(request))
+        return {"checkpoints": rows[offset : offset + limit], "cursor": {"offset": offset, "limit": limit, "total_count": len(rows)}}
+
+    @app.post(f"{API}/weights_info")
+    async def weights_info(request: Request) -> dict:
+        data = await request.json()
+        path = data.get("tinker_path") if isinstance(data, dict) else None
+        if not isinstance(path, str):
+            raise TinkerError("tinker_path: required (a tinker:// path)", status=422)
+        return service.weights_info(owner(request), path)
+
+    return app

@@ -1,0 +1,75 @@
+"""``skyrl tinker serve``: start the Tinker API server. Heavy imports happen inside the command."""
+
+from __future__ import annotations
+
+import os
+
+import click
+
+ENGINES = ("torch",)
+
+
+def read_api_keys(path: str) -> set[str]:
+    """One key per line (blank lines and ``#`` comments skipped). The SDK only sends keys that
+    start with ``tml-``, so any other line is refused here rather than never matching."""
+    keys = set()
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            key = line.split("#", 1)[0].strip()
+            if not key:
+                continue
+            if not key.startswith("tml-"):
+                raise click.BadParameter(f"{path}:{number}: API keys must start with 'tml-' (the tinker SDK refuses others)", param_hint="--api-keys")
+            keys.add(key)
+    if not keys:
+        raise click.BadParameter(f"{path} holds no API key", param_hint="--api-keys")
+    return keys
+
+
+@click.group("tinker")
+def tinker_group() -> None:
+    """The Tinker API: train LoRA adapters and sample from them with the official tinker SDK."""
+
+
+@tinker_group.command("serve")
+@click.option("--model", "model_dir", required=True, type=click.Path(exists=True, file_okay=False), help="local Hugging Face model directory (the base model)")
+@click.option("--model-name", default=None, help="the base_model name clients use (default: the directory's name)")
+@click.option("--engine", type=click.Choice(ENGINES), default="torch", show_default=True, help="inference engine for sampling")
+@click.option("--backend", default=None, metavar="NAME", help="not built: adapters train in this process (see docs/tinker.md)")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
+@click.option("--db", "db_url", default=None, help="SQLAlchemy URL of the state database (default: sqlite:///CHECKPOINTS/tinker.db)")
+@click.option("--checkpoints", "checkpoint_dir", default="tinker-checkpoints", show_default=True, type=click.Path(file_okay=False), help="directory for saved weights")
+@click.option("--api-keys", "api_keys_file", default=None, type=click.Path(exists=True, dir_okay=False), help="file of accepted API keys, one a line; without it any key is accepted")
+@click.option("--lora-alpha", type=click.FloatRange(min=0, min_open=True), default=32.0, show_default=True, help="LoRA alpha (scale alpha / rank)")
+@click.option("--max-request-bytes", type=click.IntRange(min=1024), default=64 * 1024 * 1024, show_default=True, help="larger request bodies get 413")
+def serve(
+    model_dir: str, model_name: str | None, engine: str, backend: str | None, host: str, port: int, db_url: str | None,
+    checkpoint_dir: str, api_keys_file: str | None, lora_alpha: float, max_request_bytes: int,
+) -> None:
+    """Serve the Tinker API for one base model on HOST:PORT."""
+    if backend is not None:
+        raise click.BadParameter(
+            f"{backend!r}: training backends are not selectable yet; the server trains LoRA adapters in its own "
+            "process through the core's op sites (what skyrl-fsdp's rank does at world size 1)", param_hint="--backend"
+        )
+    api_keys = read_api_keys(api_keys_file) if api_keys_file else None
+    os.makedirs(checkpoint_dir, exist_ok=True)
+    if db_url is None:
+        db_url = f"sqlite:///{os.path.abspath(os.path.join(checkpoint_dir, 'tinker.db'))}"
+    if not db_url.startswith("sqlite:"):
+        raise click.BadParameter(f"{db_url!r}: only sqlite:/// URLs are supported", param_hint="--db")
+
+    import uvicorn
+
+    from skyrl_tinker.app import create_app
+    from skyrl_tinker.service import TinkerService
+
+    service = TinkerService(model_dir, db_url=db_url, checkpoint_dir=checkpoint_dir, engine=engine,
+                            base_model=model_name, lora_alpha=lora_alpha)
+    app = create_app(service, api_keys=api_keys, max_body_bytes=max_request_bytes)
+    click.echo(f"skyrl tinker: serving {service.base_model!r} on http://{host}:{port}", err=True)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning")
+    finally:
+        service.close()

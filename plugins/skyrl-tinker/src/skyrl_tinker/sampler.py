@@ -1,0 +1,56 @@
+"""Sampling for the Tinker server: an ``InferenceEngine`` (by registered name, default skyrl-torch)
+over the same base model directory, loaded with an adapter's merged weights on demand.
+
+The engine holds one set of weights at a time; a request for other weights (another sampler
+checkpoint, or the base model) first pushes them with ``update_weights``: the merged weights of the
+adapter's modules (``skyrl_core.lora.merged_weights``, the merge the trainer's ``forward`` uses)
+or, for the base model, the original weights of every module an earlier adapter changed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from skyrl_core import lora
+from skyrl_core.config.schema import ModelConfig
+from skyrl_core.types import GenerationRequest, SamplingParams
+
+
+def build_engine(name: str, model_dir: str, seed: int = 0) -> Any:
+    from skyrl_core.config.loader import structure_options
+    from skyrl_core.plugins.manager import get_plugin_manager
+
+    spec = get_plugin_manager().spec("inference_engine", name)
+    options = structure_options(spec, {}, path=f"engine:{name}")
+    return spec.load_factory()(ModelConfig(path=model_dir), options, seed=seed)
+
+
+class Sampler:
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.loaded: str | None = None  # key of the weights in the engine; None: base model
+        self.changed: set[str] = set()  # weight names that currently differ from the base
+
+    def load(self, key: str | None, tensors: dict[str, torch.Tensor] | None, base: dict[str, torch.Tensor]) -> None:
+        """Make the engine compute with ``tensors`` merged into ``base`` (module weight name -> the
+        base model's tensor) or, for None, the base model; ``key`` names those weights."""
+        if key == self.loaded:
+            return
+        merged = lora.merged_weights(base, tensors) if tensors else []
+        names = {n for n, _ in merged}
+        restore = [(n, base[n]) for n in sorted(self.changed - names)]
+        self.engine.update_weights(restore + merged)
+        self.changed = names
+        self.loaded = key
+
+    def sample(
+        self, request_id: str, prompt: Sequence[int], num_samples: int, params: SamplingParams
+    ) -> list[tuple[str, tuple[int, ...], tuple[float, ...]]]:
+        request = GenerationRequest(request_id=request_id, prompt_token_ids=tuple(prompt), sampling=params)
+        (samples,) = self.engine.generate([request])
+        return [(s.stop_reason, s.token_ids, s.logprobs) for s in samples]
+
+    def close(self) -> None:
+        self.engine.close()

@@ -1,0 +1,588 @@
+"""``TinkerService``: what the Tinker routes do, without HTTP.
+
+Every request is checked completely (ownership, model, loss name and config, tensor lengths,
+token ranges) before it is queued, so bad input gets a 4xx and queues nothing. Accepted work goes
+onto one ordered queue served by one worker thread: requests run in the order they arrived, so
+each training run's calls (which the SDK sends in ``seq_id`` order) run in order, and calls of
+different adapters interleave without sharing state (each adapter has its own tensors and AdamW).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import re
+import secrets
+import shutil
+import threading
+import time
+import traceback
+import uuid
+from typing import Any, Callable
+
+import numpy as np
+
+from skyrl_tinker.losses import LossInputError, check_loss
+from skyrl_tinker.store import (
+    DONE,
+    FAILED,
+    CheckpointRow,
+    FutureRow,
+    ModelRow,
+    SamplingSessionRow,
+    SessionRow,
+    Store,
+    now,
+)
+from skyrl_tinker.wire import ForwardBackwardCall, encode_forward_backward_output, encode_sample_response
+
+log = logging.getLogger("skyrl_tinker")
+
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+MAX_LORA_RANK = 256
+DEFAULT_LORA_ALPHA = 32.0
+
+
+class TinkerError(Exception):
+    """A refused request: HTTP ``status`` and a message naming the field and what is allowed."""
+
+    status = 400
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        if status is not None:
+            self.status = status
+
+
+class NotFound(TinkerError):
+    status = 404
+
+
+Result = tuple[str, Any]  # ("json", dict) or ("proto", bytes)
+
+
+class TinkerService:
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        db_url: str,
+        checkpoint_dir: str,
+        engine: str = "torch",
+        base_model: str | None = None,
+        lora_alpha: float = DEFAULT_LORA_ALPHA,
+    ) -> None:
+        from skyrl_tinker.trainer import LoraTrainer
+
+        self.model_dir = model_dir
+        self.base_model = base_model or os.path.basename(os.path.normpath(model_dir))
+        self.engine_name = engine
+        self.lora_alpha = lora_alpha
+        self.checkpoint_dir = os.path.abspath(checkpoint_dir)
+        self.instance = uuid.uuid4().hex  # models made by another process have lost their adapters
+        self.store = Store(db_url)
+        failed = self.store.fail_unfinished()
+        if failed:
+            log.warning("%d requests were unfinished when the previous server stopped; marked failed", failed)
+        self.trainer = LoraTrainer(model_dir)
+        self._sampler: Any = None
+        self._sampler_tensors: tuple[str, Any] | None = None
+        self._queue: queue.Queue = queue.Queue()
+        self._finished: dict[str, threading.Event] = {}
+        self._worker = threading.Thread(target=self._work, name="tinker-worker", daemon=True)
+        self._worker.start()
+
+    # --- the work queue -----------------------------------------------------------------------------
+
+    def submit(self, owner: str, kind: str, model_id: str | None, work: Callable[[], Result], **extra: Any) -> dict[str, Any]:
+        """Queue ``work``; the promise the SDK polls (``UntypedAPIFuture``) plus ``extra`` fields."""
+        future_id = uuid.uuid4().hex
+        self.store.add(FutureRow(id=future_id, owner=owner, model_id=model_id, kind=kind))
+        self._finished[future_id] = threading.Event()
+        self._queue.put((future_id, work))
+        return {"request_id": future_id, "model_id": model_id, **extra}
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            future_id, work = item
+            self.store.update(FutureRow, future_id, status="running")
+            start = time.perf_counter()
+            try:
+                form, payload = work()
+            except TinkerError as error:
+                self.store.fail(future_id, str(error), "user")
+            except Exception as error:  # noqa: BLE001 - reported to the client, the server keeps serving
+                log.error("request %s failed:\n%s", future_id, traceback.format_exc())
+                self.store.fail(future_id, f"{type(error).__name__}: {error}", "server")
+            else:
+                seconds = time.perf_counter() - start
+                if form == "proto":
+                    self.store.finish(future_id, proto=payload, seconds=seconds)
+                else:
+                    self.store.finish(future_id, result=payload, seconds=seconds)
+            event = self._finished.pop(future_id, None)
+            if event is not None:
+                event.set()
+
+    def done_event(self, future_id: str) -> threading.Event | None:
+        return self._finished.get(future_id)
+
+    def retrieve(self, owner: str, future_id: str) -> Result:
+        """The finished result (json or proto), an error record, or ``try_again``."""
+        row = self.store.get(FutureRow, future_id)
+        if row is None or row.owner != owner:
+            raise NotFound(f"request_id {future_id!r} not found")
+        if row.status == DONE:
+            if row.result_proto is not None:
+                return "proto", row.result_proto
+            import json
+
+            return "json", json.loads(row.result_json)
+        if row.status == FAILED:
+            return "json", {"error": row.error, "category": row.category or "unknown"}
+        return "json", {"type": "try_again", "request_id": future_id, "queue_state": "active"}
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._worker.join(timeout=60)
+        if self._sampler is not None:
+            self._sampler.close()
+
+    # --- sessions -----------------------------------------------------------------------------------
+
+    def create_session(self, owner: str, tags: list[str], user_metadata: Any, sdk_version: str) -> str:
+        session_id = uuid.uuid4().hex[:16]
+        self.store.add(SessionRow(id=session_id, owner=owner, tags=tags, user_metadata=user_metadata, sdk_version=sdk_version))
+        return session_id
+
+    def _session(self, owner: str, session_id: str) -> SessionRow:
+        row = self.store.get(SessionRow, session_id)
+        if row is None or row.owner != owner:
+            raise NotFound(f"session_id {session_id!r} not found")
+        return row
+
+    def heartbeat(self, owner: str, session_id: str) -> None:
+        row = self._session(owner, session_id)
+        self.store.update(SessionRow, session_id, last_heartbeat=now(), heartbeats=row.heartbeats + 1)
+
+    # --- models -------------------------------------------------------------------------------------
+
+    def _model(self, owner: str, model_id: str, *, live: bool = True) -> ModelRow:
+        row = self.store.get(ModelRow, model_id)
+        if row is None or row.owner != owner:
+            raise NotFound(f"model_id {model_id!r} not found")
+        if live and row.server_instance != self.instance:
+            raise TinkerError(
+                f"model_id {model_id!r} was created by an earlier server process and its adapter state is gone; "
+                "create a training client from one of its checkpoints (create_training_client_from_state)",
+                status=409,
+            )
+        return row
+
+    def _check_base_model(self, base_model: str | None, field: str) -> None:
+        if base_model is not None and base_model != self.base_model:
+            raise TinkerError(f"{field}: {base_model!r} is not served here; this server serves {self.base_model!r}")
+
+    def create_model(self, owner: str, request: Any) -> dict[str, Any]:
+        self._session(owner, request.session_id)
+        self._check_base_model(request.base_model, "base_model")
+        optimizer = getattr(request.optimizer_config, "type", "adamw")
+        if optimizer != "adamw":
+            raise TinkerError(f"optimizer_config.type: {optimizer!r} is not supported; only 'adamw'")
+        lora_config = request.lora_config
+        if lora_config is None:
+            raise TinkerError("lora_config: required; this server trains LoRA adapters only (full fine-tuning is not built)")
+        if not 1 <= lora_config.rank <= MAX_LORA_RANK:
+            raise TinkerError(f"lora_config.rank: must be in [1, {MAX_LORA_RANK}]; got {lora_config.rank}")
+        groups = tuple(g for g, on in (("attn", lora_config.train_attn), ("mlp", lora_config.train_mlp), ("unembed", lora_config.train_unembed)) if on)
+        if not groups:
+            raise TinkerError("lora_config: train_attn, train_mlp and train_unembed are all false; nothing to train")
+        try:
+            self.trainer.check_groups(groups)
+        except ValueError as error:
+            raise TinkerError(f"lora_config: {error}") from None
+        seed = lora_config.seed if lora_config.seed is not None else secrets.randbits(31)
+        model_id = f"{request.session_id}:train:{request.model_seq_id}"
+        spec = {"rank": lora_config.rank, "alpha": self.lora_alpha, "groups": list(groups), "seed": seed}
+        self._new_model(owner, model_id, request.session_id, spec, request.user_metadata)
+
+        def work() -> Result:
+            self.trainer.create(model_id, rank=spec["rank"], alpha=spec["alpha"], groups=groups, seed=seed)
+            return "json", {"model_id": model_id, "type": "create_model"}
+
+        return self.submit(owner, "create_model", model_id, work)
+
+    def _new_model(self, owner: str, model_id: str, session_id: str, spec: dict[str, Any], user_metadata: Any) -> None:
+        if self.store.get(ModelRow, model_id) is not None:
+            raise TinkerError(f"model_seq_id: model {model_id!r} exists in this session", status=409)
+        self.store.add(
+            ModelRow(
+                id=model_id, owner=owner, session_id=session_id, base_model=self.base_model, lora_rank=spec["rank"],
+                lora=spec, user_metadata=user_metadata, server_instance=self.instance,
+            )
+        )
+
+    def get_info(self, owner: str, model_id: str) -> dict[str, Any]:
+        row = self._model(owner, model_id, live=False)
+        return {
+            "type": "get_info",
+            "model_id": model_id,
+            "model_data": {"arch": type(self.trainer.model).__name__, "model_name": self.base_model, "tokenizer_id": None},
+            "is_lora": True,
+            "lora_rank": row.lora_rank,
+            "model_name": self.base_model,
+        }
+
+    def _touch(self, model_id: str) -> None:
+        self.store.update(ModelRow, model_id, last_request=now())
+
+    # --- training -----------------------------------------------------------------------------------
+
+    def _examples(self, call: ForwardBackwardCall) -> list[Any]:
+        from skyrl_tinker.trainer import Example
+
+        try:
+            rule = check_loss(call.loss_fn, call.loss_fn_config)
+        except LossInputError as error:
+            raise TinkerError(str(error)) from None
+        if not call.data:
+            raise TinkerError("forward_backward_input.data: empty; send at least one datum")
+        allowed = set(rule.required) | set(rule.optional)
+        examples = []
+        for i, datum in enumerate(call.data):
+            T = len(datum.tokens)
+            where = f"forward_backward_input.data[{i}]"
+            if T == 0:
+                raise TinkerError(f"{where}.model_input: no tokens")
+            if T > self.trainer.max_len:
+                raise TinkerError(f"{where}.model_input: {T} tokens, more than the model's {self.trainer.max_len}")
+            _check_ids(datum.tokens, self.trainer.vocab_size, f"{where}.model_input")
+            for name in rule.required:
+                if name not in datum.inputs:
+                    raise TinkerError(f"{where}.loss_fn_inputs.{name}: required by loss_fn {call.loss_fn!r}")
+            for name, values in datum.inputs.items():
+                if name not in allowed:
+                    raise TinkerError(
+                        f"{where}.loss_fn_inputs.{name}: not an input of loss_fn {call.loss_fn!r}; "
+                        f"it takes {', '.join(sorted(allowed))}"
+                    )
+                if len(values) != T:
+                    raise TinkerError(
+                        f"{where}.loss_fn_inputs.{name}: length {len(values)}, but model_input has {T} tokens "
+                        "(every loss input has one value per input position)"
+                    )
+                if name == "target_tokens":
+                    _check_ids(values, self.trainer.vocab_size, f"{where}.loss_fn_inputs.target_tokens")
+                elif not np.all(np.isfinite(values)):
+                    raise TinkerError(f"{where}.loss_fn_inputs.{name}: holds non-finite values")
+            inputs = {k: (v.astype(np.int64) if k == "target_tokens" else v.astype(np.float32)) for k, v in datum.inputs.items()}
+            examples.append(Example(datum.tokens, inputs))
+        return examples
+
+    def forward_backward(self, owner: str, call: ForwardBackwardCall) -> dict[str, Any]:
+        self._model(owner, call.model_id)
+        examples = self._examples(call)
+        model_id, loss_fn, config = call.model_id, call.loss_fn, dict(call.loss_fn_config)
+
+        def work() -> Result:
+            run = self.trainer.forward if call.forward_only else self.trainer.forward_backward
+            logprobs, metrics = run(model_id, examples, loss_fn, config)
+            self._touch(model_id)
+            return "proto", encode_forward_backward_output(logprobs, metrics)
+
+        return self.submit(owner, "forward" if call.forward_only else "forward_backward", model_id, work)
+
+    def optim_step(self, owner: str, request: Any) -> dict[str, Any]:
+        from skyrl_tinker.trainer import AdamStep
+
+        self._model(owner, request.model_id)
+        params = request.optim_params
+        if getattr(params, "type", None) not in (None, "adam", "adamw") and not hasattr(params, "beta2"):
+            raise TinkerError(f"optim_params: {type(params).__name__} is not supported; only AdamParams")
+        for field, value, ok, allowed in (
+            ("learning_rate", params.learning_rate, params.learning_rate >= 0, ">= 0"),
+            ("beta1", params.beta1, 0 <= params.beta1 < 1, "in [0, 1)"),
+            ("beta2", params.beta2, 0 <= params.beta2 < 1, "in [0, 1)"),
+            ("eps", params.eps, params.eps > 0, "> 0"),
+            ("weight_decay", params.weight_decay, params.weight_decay >= 0, ">= 0"),
+            ("grad_clip_norm", params.grad_clip_norm, params.grad_clip_norm >= 0, ">= 0 (0: no clipping)"),
+        ):
+            if not (ok and np.isfinite(value)):
+                raise TinkerError(f"adam_params.{field}: must be {allowed}; got {value!r}")
+        step = AdamStep(params.learning_rate, params.beta1, params.beta2, params.eps, params.weight_decay, params.grad_clip_norm)
+        model_id = request.model_id
+
+        def work() -> Result:
+            metrics = self.trainer.optim_step(model_id, step)
+            self._touch(model_id)
+            return "json", {"metrics": metrics}
+
+        return self.submit(owner, "optim_step", model_id, work)
+
+    # --- checkpoints --------------------------------------------------------------------------------
+
+    def _checkpoint_name(self, name: str | None, field: str = "path") -> str:
+        if name is None:
+            return f"auto-{uuid.uuid4().hex[:12]}"
+        if not NAME_PATTERN.match(name):
+            raise TinkerError(f"{field}: {name!r} is not a checkpoint name (letters, digits, '_', '.', '-'; at most 128)")
+        return name
+
+    def _checkpoint_dir(self, owner: str, model_id: str, checkpoint_id: str) -> str:
+        return os.path.join(self.checkpoint_dir, owner, model_id.replace(":", "_"), checkpoint_id)
+
+    def _reserve_checkpoint(self, owner: str, model_id: str, kind: str, name: str, overwrite: bool) -> tuple[str, str, str]:
+        segment = "weights" if kind == "training" else "sampler_weights"
+        checkpoint_id = f"{segment}/{name}"
+        path = f"tinker://{model_id}/{checkpoint_id}"
+        if self.store.get(CheckpointRow, path) is not None and not overwrite:
+            raise TinkerError(f"path: checkpoint {path!r} exists (pass overwrite=True to replace it)", status=409)
+        return path, checkpoint_id, self._checkpoint_dir(owner, model_id, checkpoint_id)
+
+    def _record_checkpoint(self, owner: str, model_id: str, kind: str, path: str, checkpoint_id: str, directory: str, user_metadata: Any) -> None:
+        size = sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))
+        with self.store._lock, self.store.session() as s:
+            s.merge(CheckpointRow(tinker_path=path, owner=owner, model_id=model_id, kind=kind, checkpoint_id=checkpoint_id,
+                                  directory=directory, size_bytes=size, user_metadata=user_metadata, created=now()))
+            s.commit()
+
+    def save_weights(self, owner: str, request: Any) -> dict[str, Any]:
+        self._model(owner, request.model_id)
+        name = self._checkpoint_name(request.path)
+        path, checkpoint_id, directory = self._reserve_checkpoint(owner, request.model_id, "training", name, request.overwrite)
+        model_id = request.model_id
+
+        def work() -> Result:
+            tmp = directory + ".partial"
+            shutil.rmtree(tmp, ignore_errors=True)
+            self.trainer.save(model_id, tmp, optimizer=True)
+            shutil.rmtree(directory, ignore_errors=True)
+            os.replace(tmp, directory)
+            self._record_checkpoint(owner, model_id, "training", path, checkpoint_id, directory, request.user_metadata)
+            return "json", {"path": path, "type": "save_weights"}
+
+        return self.submit(owner, "save_weights", model_id, work)
+
+    def save_weights_for_sampler(self, owner: str, request: Any) -> dict[str, Any]:
+        row = self._model(owner, request.model_id)
+        if request.kind != "snapshot":
+            raise TinkerError(f"kind: {request.kind!r} is not supported; only 'snapshot' (the weights as of this call)")
+        name = self._checkpoint_name(request.path)
+        path, checkpoint_id, directory = self._reserve_checkpoint(owner, request.model_id, "sampler", name, False)
+        model_id, named = request.model_id, request.path is not None
+
+        def work() -> Result:
+            tmp = directory + ".partial"
+            shutil.rmtree(tmp, ignore_errors=True)
+            self.trainer.save(model_id, tmp, optimizer=False)
+            os.replace(tmp, directory)
+            self._record_checkpoint(owner, model_id, "sampler", path, checkpoint_id, directory, request.user_metadata)
+            if named:
+                return "json", {"path": path, "type": "save_weights_for_sampler"}
+            sampling_session_id = uuid.uuid4().hex[:16]
+            self.store.add(SamplingSessionRow(id=sampling_session_id, owner=owner, session_id=row.session_id, base_model=self.base_model, model_path=path))
+            return "json", {"path": None, "sampling_session_id": sampling_session_id, "type": "save_weights_for_sampler"}
+
+        return self.submit(owner, "save_weights_for_sampler", model_id, work)
+
+    def _checkpoint(self, owner: str, path: str, field: str = "path") -> CheckpointRow:
+        if not path.startswith("tinker://"):
+            raise TinkerError(f"{field}: {path!r} is not a tinker:// path (tinker://<training run>/weights/<name>)")
+        row = self.store.get(CheckpointRow, path)
+        if row is None or row.owner != owner:
+            raise NotFound(f"{field}: checkpoint {path!r} not found")
+        return row
+
+    def load_weights(self, owner: str, request: Any) -> dict[str, Any]:
+        from skyrl_tinker.trainer import read_meta
+
+        checkpoint = self._checkpoint(owner, request.path)
+        if checkpoint.kind != "training":
+            raise TinkerError(f"path: {request.path!r} is a sampler checkpoint; load_weights needs one saved by save_state")
+        meta = read_meta(checkpoint.directory)
+        if request.session_id is not None:  # create-via-load: the load makes the model
+            self._session(owner, request.session_id)
+            self._check_base_model(request.base_model, "base_model")
+            if request.model_seq_id is None:
+                raise TinkerError("model_seq_id: required with session_id")
+            model_id = f"{request.session_id}:train:{request.model_seq_id}"
+            spec = {k: meta[k] for k in ("rank", "alpha", "groups", "seed")}
+            self._new_model(owner, model_id, request.session_id, spec, request.user_metadata)
+            create = True
+        elif request.model_id is not None:
+            row = self._model(owner, request.model_id)
+            model_id, create = request.model_id, False
+            if (row.lora["rank"], list(row.lora["groups"])) != (meta["rank"], list(meta["groups"])):
+                raise TinkerError(
+                    f"path: {request.path!r} holds a rank-{meta['rank']} adapter on {meta['groups']}; model {model_id!r} "
+                    f"is rank {row.lora['rank']} on {row.lora['groups']}"
+                )
+        else:
+            raise TinkerError("load_weights needs model_id, or session_id with model_seq_id")
+        with_optimizer, directory = bool(request.optimizer), checkpoint.directory
+
+        def work() -> Result:
+            if create:
+                self.trainer.create(model_id, rank=meta["rank"], alpha=meta["alpha"], groups=tuple(meta["groups"]), seed=meta["seed"])
+            self.trainer.load(model_id, directory, optimizer=with_optimizer)
+            self._touch(model_id)
+            return "json", {"path": request.path, "model_id": model_id, "type": "load_weights"}
+
+        return self.submit(owner, "load_weights", model_id, work)
+
+    def weights_info(self, owner: str, path: str) -> dict[str, Any]:
+        from skyrl_tinker.trainer import read_meta
+
+        meta = read_meta(self._checkpoint(owner, path, "tinker_path").directory)
+        groups = set(meta["groups"])
+        return {"base_model": self.base_model, "is_lora": True, "lora_rank": meta["rank"],
+                "train_attn": "attn" in groups, "train_mlp": "mlp" in groups, "train_unembed": "unembed" in groups}
+
+    def delete_checkpoint(self, owner: str, model_id: str, checkpoint_id: str) -> None:
+        row = self._checkpoint(owner, f"tinker://{model_id}/{checkpoint_id}")
+        with self.store._lock, self.store.session() as s:
+            s.delete(s.get(CheckpointRow, row.tinker_path))
+            s.commit()
+        shutil.rmtree(row.directory, ignore_errors=True)
+
+    # --- listing ------------------------------------------------------------------------------------
+
+    @staticmethod
+    def checkpoint_record(row: CheckpointRow) -> dict[str, Any]:
+        return {"checkpoint_id": row.checkpoint_id, "checkpoint_type": row.kind, "time": row.created.isoformat(),
+                "tinker_path": row.tinker_path, "size_bytes": row.size_bytes, "public": False, "user_metadata": row.user_metadata}
+
+    def checkpoints(self, owner: str, model_id: str | None = None) -> list[dict[str, Any]]:
+        if model_id is not None:
+            self._model(owner, model_id, live=False)
+            rows = self.store.rows(CheckpointRow, owner=owner, model_id=model_id)
+        else:
+            rows = self.store.rows(CheckpointRow, owner=owner)
+        return [self.checkpoint_record(r) for r in rows]
+
+    def training_run(self, owner: str, model_id: str) -> dict[str, Any]:
+        row = self._model(owner, model_id, live=False)
+        rows = self.store.rows(CheckpointRow, owner=owner, model_id=model_id)
+        last = {kind: next((self.checkpoint_record(r) for r in reversed(rows) if r.kind == kind), None) for kind in ("training", "sampler")}
+        return {"training_run_id": row.id, "base_model": row.base_model, "model_owner": owner, "is_lora": True,
+                "corrupted": False, "lora_rank": row.lora_rank, "last_request_time": row.last_request.isoformat(),
+                "last_checkpoint": last["training"], "last_sampler_checkpoint": last["sampler"],
+                "user_metadata": row.user_metadata}
+
+    def training_runs(self, owner: str, limit: int, offset: int) -> dict[str, Any]:
+        rows = self.store.rows(ModelRow, owner=owner)
+        page = rows[offset : offset + limit]
+        return {"training_runs": [self.training_run(owner, r.id) for r in page],
+                "cursor": {"offset": offset, "limit": limit, "total_count": len(rows)}}
+
+    # --- sampling -----------------------------------------------------------------------------------
+
+    def create_sampling_session(self, owner: str, request: Any) -> str:
+        self._session(owner, request.session_id)
+        if request.model_path is not None:
+            self._checkpoint(owner, request.model_path, "model_path")
+        elif request.base_model is None:
+            raise TinkerError("base_model or model_path: one is required")
+        self._check_base_model(request.base_model, "base_model")
+        sampling_session_id = uuid.uuid4().hex[:16]
+        self.store.add(SamplingSessionRow(id=sampling_session_id, owner=owner, session_id=request.session_id,
+                                          base_model=self.base_model, model_path=request.model_path))
+        return sampling_session_id
+
+    def sampler_info(self, owner: str, sampler_id: str) -> dict[str, Any]:
+        row = self.store.get(SamplingSessionRow, sampler_id)
+        if row is None or row.owner != owner:
+            raise NotFound(f"sampler {sampler_id!r} not found")
+        return {"sampler_id": sampler_id, "base_model": row.base_model, "model_path": row.model_path}
+
+    def asample(self, owner: str, request: Any) -> dict[str, Any]:
+        from skyrl_core.types import SamplingParams
+
+        if request.sampling_session_id is not None:
+            model_path = self.sampler_info(owner, request.sampling_session_id)["model_path"]
+        else:
+            self._check_base_model(request.base_model, "base_model")
+            model_path = request.model_path
+            if model_path is None and request.base_model is None:
+                raise TinkerError("sampling_session_id, model_path or base_model: one is required")
+        checkpoint_dir = self._checkpoint(owner, model_path, "model_path").directory if model_path else None
+        prompt = [t for chunk in request.prompt.chunks for t in _chunk_tokens(chunk)]
+        if not prompt:
+            raise TinkerError("prompt: no tokens")
+        _check_ids(np.asarray(prompt), self.trainer.vocab_size, "prompt")
+        p = request.sampling_params
+        max_tokens = p.max_tokens if p.max_tokens is not None else 64
+        if max_tokens < 1 or len(prompt) + max_tokens > self.trainer.max_len:
+            raise TinkerError(f"sampling_params.max_tokens: {max_tokens} with a {len(prompt)}-token prompt does not fit the model's {self.trainer.max_len} positions")
+        if not 1 <= request.num_samples <= 1024:
+            raise TinkerError(f"num_samples: must be in [1, 1024]; got {request.num_samples}")
+        for field in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+            if getattr(request, field, 0):
+                raise TinkerError(f"{field}: not supported by this server (0 only)")
+        if request.target_prompt_logprobs is not None or request.record_stability_info:
+            raise TinkerError("target_prompt_logprobs / record_stability_info: not supported by this server")
+        stop = p.stop
+        stop_strings: tuple[str, ...] = ()
+        stop_ids: tuple[int, ...] = ()
+        if isinstance(stop, str):
+            stop_strings = (stop,)
+        elif stop is not None and len(stop) == 0:
+            raise TinkerError("sampling_params.stop: [] (never stop at EOS) is not supported; give None or stop tokens/strings")
+        elif stop is not None and all(isinstance(s, str) for s in stop):
+            stop_strings = tuple(stop)
+        elif stop is not None:
+            stop_ids = tuple(int(s) for s in stop)
+        if p.temperature < 0 or not 0 < p.top_p <= 1:
+            raise TinkerError(f"sampling_params: temperature must be >= 0 and top_p in (0, 1]; got {p.temperature}, {p.top_p}")
+        params = SamplingParams(max_tokens=max_tokens, temperature=p.temperature, top_p=p.top_p,
+                                top_k=max(0, p.top_k), n=request.num_samples, seed=p.seed,
+                                stop=stop_strings, stop_token_ids=stop_ids)
+        want_prompt_logprobs = bool(request.prompt_logprobs)
+
+        def work() -> Result:
+            tensors = self._sampler_weights(model_path, checkpoint_dir)
+            sampler = self._get_sampler()
+            sampler.load(model_path, tensors, self.trainer.base_weights())
+            sequences = sampler.sample(uuid.uuid4().hex, prompt, request.num_samples, params)
+            prompt_logprobs = None
+            if want_prompt_logprobs:
+                scored = self.trainer.score(tensors, prompt)
+                prompt_logprobs = np.concatenate([np.array([np.nan], dtype=np.float32), scored])
+            return "proto", encode_sample_response(sequences, prompt_logprobs)
+
+        # Sequence identity is fixed at submission: one id per requested sample, in response order.
+        sequence_ids = [f"{uuid.uuid4().hex[:12]}:{i}" for i in range(request.num_samples)]
+        return self.submit(owner, "sample", None, work, sample_sequence_ids=sequence_ids)
+
+    def _sampler_weights(self, model_path: str | None, directory: str | None) -> Any:
+        from skyrl_tinker.trainer import read_adapter
+
+        if model_path is None:
+            return None
+        if self._sampler_tensors is None or self._sampler_tensors[0] != model_path:
+            self._sampler_tensors = (model_path, read_adapter(directory))
+        return self._sampler_tensors[1]
+
+    def _get_sampler(self) -> Any:
+        if self._sampler is None:
+            from skyrl_tinker.sampler import Sampler, build_engine
+
+            self._sampler = Sampler(build_engine(self.engine_name, self.model_dir))
+        return self._sampler
+
+
+def _chunk_tokens(chunk: Any) -> list[int]:
+    tokens = getattr(chunk, "tokens", None)
+    if tokens is None:
+        raise TinkerError(f"prompt: {type(chunk).__name__} chunks are not supported (text tokens only)")
+    return list(tokens)
+
+
+def _check_ids(ids: np.ndarray, vocab_size: int, field: str) -> None:
+    if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        bad = int(ids.max()) if int(ids.max()) >= vocab_size else int(ids.min())
+        raise TinkerError(f"{field}: token id {bad} is outside the vocabulary [0, {vocab_size})")

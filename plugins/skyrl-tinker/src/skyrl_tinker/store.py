@@ -1,0 +1,165 @@
+"""The server's durable state in SQLite (SQLAlchemy): sessions, models (training runs), futures,
+checkpoints and sampling sessions, each owned by the hash of the API key that made it.
+
+A future's result is written when its work finishes, in the same transaction that marks it done,
+so a restarted server answers for every finished request. Work that was queued or running when the
+process died is marked failed at the next start (``fail_unfinished``), never left pending.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import threading
+from typing import Any
+
+from sqlalchemy import JSON, DateTime, Float, Integer, LargeBinary, String, Text, create_engine, event, select
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
+
+PENDING, RUNNING, DONE, FAILED = "pending", "running", "done", "failed"
+
+
+def now() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class SessionRow(Base):
+    __tablename__ = "sessions"
+    id: Mapped[str] = mapped_column(String, primary_key=True)
+    owner: Mapped[str] = mapped_column(String, index=True)
+    tags: Mapped[Any] = mapped_column(JSON, default=list)
+    user_metadata: Mapped[Any] = mapped_column(JSON, nullable=True)
+    sdk_version: Mapped[str] = mapped_column(String, default="")
+    created: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=now)
+    last_heartbeat: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=now)
+    heartbeats: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class ModelRow(Base):
+    __tablename__ = "models"
+    id: Mapped[str] = mapped_column(String, primary_key=True)
+    owner: Mapped[str] = mapped_column(String, index=True)
+    session_id: Mapped[str] = mapped_column(String, index=True)
+    base_model: Mapped[str] = mapped_column(String)
+    lora_rank: Mapped[int] = mapped_column(Integer)
+    lora: Mapped[Any] = mapped_column(JSON)  # rank, alpha, groups, seed
+    user_metadata: Mapped[Any] = mapped_column(JSON, nullable=True)
+    created: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=now)
+    last_request: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=now)
+    # The process whose memory holds the adapter: a restarted server has lost it.
+    server_instance: Mapped[str] = mapped_column(String)
+
+
+class FutureRow(Base):
+    __tablename__ = "futures"
+    id: Mapped[str] = mapped_column(String, primary_key=True)
+    owner: Mapped[str] = mapped_column(String, index=True)
+    model_id: Mapped[str | None] = mapped_column(String, nullable=True, index=True)
+    kind: Mapped[str] = mapped_column(String)
+    status: Mapped[str] = mapped_column(String, default=PENDING)
+    result_json: Mapped[str | None] = mapped_column(Text, nullable=True)
+    result_proto: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    category: Mapped[str | None] = mapped_column(String, nullable=True)
+    created: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=now)
+    finished: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    seconds: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class CheckpointRow(Base):
+    __tablename__ = "checkpoints"
+    tinker_path: Mapped[str] = mapped_column(String, primary_key=True)
+    owner: Mapped[str] = mapped_column(String, index=True)
+    model_id: Mapped[str] = mapped_column(String, index=True)
+    kind: Mapped[str] = mapped_column(String)  # "training" | "sampler"
+    checkpoint_id: Mapped[str] = mapped_column(String)  # "weights/<name>" | "sampler_weights/<name>"
+    directory: Mapped[str] = mapped_column(String)
+    size_bytes: Mapped[int] = mapped_column(Integer, default=0)
+    user_metadata: Mapped[Any] = mapped_column(JSON, nullable=True)
+    created: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=now)
+
+
+class SamplingSessionRow(Base):
+    __tablename__ = "sampling_sessions"
+    id: Mapped[str] = mapped_column(String, primary_key=True)
+    owner: Mapped[str] = mapped_column(String, index=True)
+    session_id: Mapped[str] = mapped_column(String)
+    base_model: Mapped[str] = mapped_column(String)
+    model_path: Mapped[str | None] = mapped_column(String, nullable=True)
+    created: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=now)
+
+
+class Store:
+    """Thin transactional helpers over the tables (thread-safe: one session per call)."""
+
+    def __init__(self, url: str) -> None:
+        self.engine = create_engine(url, connect_args={"check_same_thread": False})
+
+        @event.listens_for(self.engine, "connect")
+        def _pragmas(dbapi_connection: Any, _: Any) -> None:
+            cursor = dbapi_connection.cursor()
+            cursor.execute("PRAGMA journal_mode=WAL")  # readers do not wait for the writer
+            cursor.execute("PRAGMA synchronous=FULL")  # a finished future survives a power cut
+            cursor.close()
+
+        Base.metadata.create_all(self.engine)
+        self._lock = threading.Lock()
+
+    def session(self) -> Session:
+        return Session(self.engine, expire_on_commit=False)
+
+    def add(self, row: Base) -> None:
+        with self._lock, self.session() as s:
+            s.add(row)
+            s.commit()
+
+    def get(self, cls: type, key: str) -> Any:
+        with self.session() as s:
+            return s.get(cls, key)
+
+    def rows(self, cls: type, **where: Any) -> list[Any]:
+        with self.session() as s:
+            statement = select(cls)
+            for column, value in where.items():
+                statement = statement.where(getattr(cls, column) == value)
+            return list(s.scalars(statement.order_by(cls.created)))
+
+    def update(self, cls: type, key: str, **values: Any) -> None:
+        with self._lock, self.session() as s:
+            row = s.get(cls, key)
+            if row is not None:
+                for column, value in values.items():
+                    setattr(row, column, value)
+                s.commit()
+
+    def count(self, cls: type) -> int:
+        with self.session() as s:
+            return len(list(s.scalars(select(cls.id if hasattr(cls, "id") else cls.tinker_path))))
+
+    def finish(self, future_id: str, *, result: Any = None, proto: bytes | None = None, seconds: float = 0.0) -> None:
+        self.update(
+            FutureRow,
+            future_id,
+            status=DONE,
+            result_json=None if proto is not None else json.dumps(result),
+            result_proto=proto,
+            finished=now(),
+            seconds=seconds,
+        )
+
+    def fail(self, future_id: str, error: str, category: str) -> None:
+        self.update(FutureRow, future_id, status=FAILED, error=error, category=category, finished=now())
+
+    def fail_unfinished(self) -> int:
+        """Mark every queued or running future failed (the process that held them is gone)."""
+        with self._lock, self.session() as s:
+            rows = list(s.scalars(select(FutureRow).where(FutureRow.status.in_((PENDING, RUNNING)))))
+            for row in rows:
+                row.status, row.category, row.finished = FAILED, "server", now()
+                row.error = "the server stopped before this request finished; it did not run to completion"
+            s.commit()
+            return len(rows)

@@ -1,0 +1,273 @@
+"""``LoraTrainer``: one base model in this process, any number of LoRA adapters on it, each with its
+own AdamW state. A Tinker "model" (training run) is one adapter.
+
+The base model is loaded once and prepared for the ``trainer`` role through the core's op sites
+(``skyrl_core.ops.prepare_model``), so an op plugin (IsoExec) reaches it exactly as it reaches the
+FSDP rank. Adapters are peft LoRA layers (``skyrl_core.lora``); a computation selects one adapter,
+so only its tensors get gradients and the others are untouched.
+
+Two paths compute logprobs:
+
+- ``forward_backward`` computes through peft's unmerged layers (``W x + s B A x``): the adapter
+  tensors are what get gradients.
+- ``forward`` (and prompt logprobs) compute with the adapter *merged* into the base weights
+  (``skyrl_core.lora.merged_weight``) and the LoRA layers off: the same weights, through the same
+  ops, that the inference engine gets after ``save_weights_for_sampler``. With IsoExec on, a sampled
+  token's logprob and ``forward``'s logprob of it are therefore the same bits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+from typing import Any, Iterator, Sequence
+
+import attrs
+import numpy as np
+import torch
+
+from skyrl_core import lora
+from skyrl_core.config.schema import ModelConfig
+from skyrl_core.heap import keep_freed_memory, release_freed_memory
+from skyrl_core.models import load_causal_lm
+from skyrl_core.ops import prepare_model, site_scope, token_logprobs
+from skyrl_tinker.losses import compute_loss
+
+ADAPTER_FILE = "adapter.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+META_FILE = "adapter.json"
+# Datums per forward pass: logits are [datums, length, vocab] floats, so a mini-batch is split.
+MICRO_BATCH = 8
+
+
+@attrs.frozen
+class Example:
+    """One Tinker datum: input tokens and per-position loss inputs (``target_tokens`` and others)."""
+
+    tokens: np.ndarray  # int64 [T]
+    inputs: dict[str, np.ndarray]  # each [T]
+
+
+@attrs.frozen
+class AdamStep:
+    learning_rate: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    grad_clip_norm: float
+
+
+@attrs.define
+class Adapter:
+    name: str
+    rank: int
+    alpha: float
+    groups: tuple[str, ...]
+    seed: int
+    optimizer: torch.optim.AdamW
+    steps: int = 0
+
+
+class LoraTrainer:
+    def __init__(self, model_dir: str) -> None:
+        keep_freed_memory()
+        self.model = load_causal_lm(ModelConfig(path=model_dir))
+        self.model.requires_grad_(False)
+        self.ledger = prepare_model(self.model, "trainer")
+        self.config = self.model.config.get_text_config()
+        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        self.max_len = int(getattr(self.config, "max_position_embeddings", 4096))
+        self.adapters: dict[str, Adapter] = {}
+
+    # --- adapters ---------------------------------------------------------------------------------
+
+    def check_groups(self, groups: tuple[str, ...]) -> list[str]:
+        """The modules ``groups`` cover, or ``ValueError`` (before any adapter is made)."""
+        return lora.target_modules(self.model, groups)
+
+    def create(self, name: str, *, rank: int, alpha: float, groups: tuple[str, ...], seed: int) -> None:
+        if name in self.adapters:
+            raise ValueError(f"adapter {name!r} exists")
+        modules = self.check_groups(groups)
+        lora.add_adapter(self.model, name, rank=rank, alpha=alpha, modules=modules, seed=seed)
+        params = lora.adapter_parameters(self.model, name)
+        optimizer = torch.optim.AdamW(params, lr=0.0)
+        self.adapters[name] = Adapter(name, rank, alpha, groups, seed, optimizer)
+
+    def remove(self, name: str) -> None:
+        self.adapters.pop(name, None)
+        for _, layer in lora.lora_layers(self.model):
+            if name in layer.lora_A:
+                layer.delete_adapter(name)
+
+    def _adapter(self, name: str) -> Adapter:
+        adapter = self.adapters.get(name)
+        if adapter is None:
+            raise KeyError(f"model {name!r} has no adapter in this server process")
+        return adapter
+
+    def base_weights(self) -> dict[str, torch.Tensor]:
+        """``<module>.weight`` -> base weight of every module any adapter wraps (the originals)."""
+        return {f"{m}.weight": layer.get_base_layer().weight for m, layer in lora.lora_layers(self.model)}
+
+    # --- computation ------------------------------------------------------------------------------
+
+    def _pad(self, examples: Sequence[Example]) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        T = max(len(e.tokens) for e in examples)
+        B = len(examples)
+        ids = torch.zeros(B, T, dtype=torch.long)
+        mask = torch.zeros(B, T, dtype=torch.float32)
+        names = set().union(*(e.inputs for e in examples))
+        inputs = {n: torch.zeros(B, T, dtype=torch.long if n == "target_tokens" else torch.float32) for n in names}
+        for i, e in enumerate(examples):
+            n = len(e.tokens)
+            ids[i, :n] = torch.from_numpy(e.tokens)
+            mask[i, :n] = 1.0
+            for key, value in e.inputs.items():
+                inputs[key][i, :n] = torch.from_numpy(value).to(inputs[key].dtype)
+        return ids, mask, inputs
+
+    def _logprobs(self, ids: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """``[B, T]`` logprob of ``targets[:, i]`` given ``ids[:, :i + 1]`` (right padding: 0 there)."""
+        position_ids = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
+        logits = self.model(input_ids=ids, attention_mask=mask.long(), position_ids=position_ids, use_cache=False).logits
+        logprobs = token_logprobs(logits, targets, ledger=self.ledger)
+        return torch.where(mask.bool(), logprobs, torch.zeros((), dtype=logprobs.dtype))
+
+    @contextlib.contextmanager
+    def _merged(self, tensors: dict[str, torch.Tensor] | None) -> Iterator[None]:
+        """Compute with ``tensors`` (an adapter as ``lora.adapter_tensors`` writes it; None: the base
+        model) merged into the base weights and every LoRA layer off. The base tensors are put
+        back as they were (the same tensor objects, no arithmetic)."""
+        layers = dict(lora.lora_layers(self.model))
+        swapped: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        lora.select(self.model, None)
+        try:
+            if tensors:
+                base = self.base_weights()
+                for name, merged in lora.merged_weights(base, tensors):
+                    weight = layers[name[: -len(".weight")]].get_base_layer().weight
+                    swapped.append((weight, weight.data))
+                    weight.data = merged
+            yield
+        finally:
+            for weight, original in swapped:
+                weight.data = original
+
+    def _run(
+        self, examples: Sequence[Example], loss_fn: str, loss_config: dict[str, Any] | None, *, backward: bool
+    ) -> tuple[list[np.ndarray], dict[str, float]]:
+        outputs: list[np.ndarray] = []
+        total = 0.0
+        summed: dict[str, float] = {}
+        for start in range(0, len(examples), MICRO_BATCH):
+            part = examples[start : start + MICRO_BATCH]
+            ids, mask, inputs = self._pad(part)
+            with torch.set_grad_enabled(backward), site_scope("trainer_forward" if backward else "trainer_score"):
+                logprobs = self._logprobs(ids, mask, inputs["target_tokens"])
+                loss, metrics = compute_loss(loss_fn, loss_config, logprobs, inputs, mask)
+                if backward:
+                    loss.backward()
+            for i, e in enumerate(part):
+                outputs.append(logprobs[i, : len(e.tokens)].detach().float().numpy().copy())
+            total += float(loss.detach())
+            for key, value in metrics.items():  # per-micro-batch means, weighted by rows
+                summed[key] = summed.get(key, 0.0) + float(value) * len(part)
+        metrics_out = {f"{k}:mean": v / len(examples) for k, v in summed.items()}
+        metrics_out["loss:sum"] = total
+        release_freed_memory()
+        return outputs, metrics_out
+
+    def forward(
+        self, name: str, examples: Sequence[Example], loss_fn: str, loss_config: dict[str, Any] | None
+    ) -> tuple[list[np.ndarray], dict[str, float]]:
+        """Logprobs and loss with the adapter merged (the sampler's weights); no gradient."""
+        self._adapter(name)
+        with self._merged(lora.adapter_tensors(self.model, name)):
+            return self._run(examples, loss_fn, loss_config, backward=False)
+
+    def forward_backward(
+        self, name: str, examples: Sequence[Example], loss_fn: str, loss_config: dict[str, Any] | None
+    ) -> tuple[list[np.ndarray], dict[str, float]]:
+        """Logprobs and loss through the LoRA layers; gradients accumulate in adapter ``name``."""
+        self._adapter(name)
+        lora.select(self.model, name)
+        try:
+            return self._run(examples, loss_fn, loss_config, backward=True)
+        finally:
+            lora.select(self.model, None)
+
+    def score(self, tensors: dict[str, torch.Tensor] | None, tokens: Sequence[int]) -> np.ndarray:
+        """Prompt logprobs ``[len - 1]`` of ``tokens[1:]`` under ``tensors`` merged (None: base)."""
+        if len(tokens) < 2:
+            return np.zeros(0, dtype=np.float32)
+        example = Example(np.asarray(tokens[:-1], dtype=np.int64), {"target_tokens": np.asarray(tokens[1:], dtype=np.int64)})
+        with self._merged(tensors), torch.no_grad(), site_scope("trainer_score"):
+            ids, mask, inputs = self._pad([example])
+            return self._logprobs(ids, mask, inputs["target_tokens"])[0].float().numpy().copy()
+
+    def optim_step(self, name: str, step: AdamStep) -> dict[str, float]:
+        adapter = self._adapter(name)
+        params = lora.adapter_parameters(self.model, name)
+        for group in adapter.optimizer.param_groups:
+            group.update(lr=step.learning_rate, betas=(step.beta1, step.beta2), eps=step.eps, weight_decay=step.weight_decay)
+        grads = [p.grad for p in params if p.grad is not None]
+        grad_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
+        if step.grad_clip_norm > 0 and grads:
+            torch.nn.utils.clip_grad_norm_(params, step.grad_clip_norm)
+        if math.isfinite(grad_norm):  # a non-finite gradient skips the update
+            adapter.optimizer.step()
+        adapter.optimizer.zero_grad(set_to_none=True)
+        adapter.steps += 1
+        return {"grad_norm:mean": grad_norm, "learning_rate:mean": step.learning_rate}
+
+    # --- state ------------------------------------------------------------------------------------
+
+    def adapter_tensors(self, name: str) -> dict[str, torch.Tensor]:
+        self._adapter(name)
+        return lora.adapter_tensors(self.model, name)
+
+    def meta(self, name: str) -> dict[str, Any]:
+        a = self._adapter(name)
+        return {"rank": a.rank, "alpha": a.alpha, "groups": list(a.groups), "seed": a.seed, "steps": a.steps}
+
+    def save(self, name: str, directory: str, *, optimizer: bool) -> None:
+        """Adapter tensors (safetensors), its description, and (``optimizer``) its AdamW state."""
+        from safetensors.torch import save_file
+
+        os.makedirs(directory, exist_ok=True)
+        save_file(self.adapter_tensors(name), os.path.join(directory, ADAPTER_FILE))
+        if optimizer:
+            torch.save(self._adapter(name).optimizer.state_dict(), os.path.join(directory, OPTIMIZER_FILE))
+        with open(os.path.join(directory, META_FILE), "w") as f:
+            json.dump(self.meta(name), f)
+
+    def load(self, name: str, directory: str, *, optimizer: bool) -> None:
+        """Load what ``save`` wrote into adapter ``name`` (which has the checkpoint's rank and
+        targets); without ``optimizer`` the AdamW state starts fresh."""
+        tensors = read_adapter(directory)
+        adapter = self._adapter(name)
+        lora.load_adapter_tensors(self.model, name, tensors)
+        adapter.optimizer.zero_grad(set_to_none=True)
+        if optimizer:
+            path = os.path.join(directory, OPTIMIZER_FILE)
+            if not os.path.exists(path):
+                raise ValueError(f"{directory} holds no optimizer state (saved for sampling only)")
+            adapter.optimizer.load_state_dict(torch.load(path, weights_only=True))
+        else:
+            adapter.optimizer.state.clear()
+        adapter.steps = int(read_meta(directory).get("steps", 0)) if optimizer else 0
+
+
+def read_adapter(directory: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(directory, ADAPTER_FILE))
+
+
+def read_meta(directory: str) -> dict[str, Any]:
+    with open(os.path.join(directory, META_FILE)) as f:
+        return json.load(f)

@@ -1,0 +1,159 @@
+"""LoRA adapters (peft) on a transformers causal LM: several named adapters on one base model.
+
+Shared by every runtime that trains or serves adapters (the Tinker server, a training backend's
+``lora`` option): which linear layers an adapter covers, how it is initialised from a seed, how
+one adapter is selected for a computation, and how an adapter is *merged* into base weights.
+
+The merge is one function (``merged_weight``) so that every place that needs merged weights (the
+inference engine after a weight update, a scorer that computes with merged weights) gets the same
+bits from the same adapter tensors. peft is imported when a function is called.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, Any, Iterator
+
+if TYPE_CHECKING:
+    import torch
+
+# Which linear layers (by the last component of their module name) each Tinker-style switch covers.
+TARGET_GROUPS: dict[str, tuple[str, ...]] = {
+    "attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "mlp": ("gate_proj", "up_proj", "down_proj"),
+    "unembed": ("lm_head",),
+}
+
+
+def ties_unembedding(model: Any) -> bool:
+    """True when the output projection shares its weight with the input embedding."""
+    out, inp = model.get_output_embeddings(), model.get_input_embeddings()
+    return out is not None and inp is not None and out.weight is inp.weight
+
+
+def target_modules(model: Any, groups: tuple[str, ...]) -> list[str]:
+    """Names of the ``torch.nn.Linear`` modules of ``model`` that ``groups`` (keys of
+    ``TARGET_GROUPS``) cover, in module order. Raises ``ValueError`` for an unknown group, for
+    ``unembed`` on a model whose unembedding is tied to its embedding (a merged adapter would
+    change the embedding too), and when nothing matches."""
+    import torch
+
+    unknown = [g for g in groups if g not in TARGET_GROUPS]
+    if unknown:
+        raise ValueError(f"LoRA targets {unknown} unknown; allowed: {', '.join(TARGET_GROUPS)}")
+    if "unembed" in groups and ties_unembedding(model):
+        raise ValueError(
+            "LoRA on the unembedding (train_unembed / targets: unembed) needs an untied lm_head; this model "
+            "ties lm_head to embed_tokens. Train attention and MLP adapters only (train_unembed=False)."
+        )
+    suffixes = {s for g in groups for s in TARGET_GROUPS[g]}
+    names = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in suffixes
+    ]
+    if not names:
+        raise ValueError(f"LoRA targets {list(groups)} match no linear layer of this model")
+    return names
+
+
+def add_adapter(model: Any, name: str, *, rank: int, alpha: float, modules: list[str], seed: int) -> None:
+    """Inject adapter ``name`` (rank ``rank``, scale ``alpha / rank``) into ``modules``.
+
+    A is initialised from ``seed`` alone (peft's Kaiming-uniform) and B is zero, so the adapter
+    starts as the base model and the same seed gives the same adapter whatever else is loaded."""
+    import torch
+    from peft import LoraConfig, inject_adapter_in_model
+
+    if rank < 1:
+        raise ValueError(f"LoRA rank must be >= 1; got {rank}")
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(modules), lora_dropout=0.0, bias="none")
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        # peft warns that a second adapter joins the first: several adapters are the point here
+        warnings.filterwarnings("ignore", message="Already found a `peft_config`")
+        torch.manual_seed(seed)
+        inject_adapter_in_model(config, model, adapter_name=name)
+    select(model, None)
+
+
+def lora_layers(model: Any) -> Iterator[tuple[str, Any]]:
+    """``(module name, peft LoRA layer)`` pairs; the name is the wrapped linear's original name."""
+    from peft.tuners.lora import LoraLayer
+
+    for module_name, module in model.named_modules():
+        if isinstance(module, LoraLayer):
+            yield module_name, module
+
+
+def select(model: Any, name: str | None) -> None:
+    """Compute with adapter ``name`` only (``None``: the base model, every adapter off). Only the
+    selected adapter's tensors require gradients."""
+    for _, layer in lora_layers(model):
+        if name is None:
+            layer.enable_adapters(False)
+            for param in layer.parameters():
+                if param is not layer.get_base_layer().weight:
+                    param.requires_grad_(False)
+        else:
+            layer.enable_adapters(True)
+            layer.set_adapter(name)
+
+
+def adapter_parameters(model: Any, name: str) -> list[torch.nn.Parameter]:
+    """The trainable tensors of adapter ``name`` (A then B of every layer, in module order)."""
+    params = []
+    for _, layer in lora_layers(model):
+        if name in layer.lora_A:
+            params += [layer.lora_A[name].weight, layer.lora_B[name].weight]
+    return params
+
+
+def adapter_tensors(model: Any, name: str) -> dict[str, torch.Tensor]:
+    """Adapter ``name`` as named tensors: ``<module>.lora_A`` ``[r, in]``, ``<module>.lora_B``
+    ``[out, r]`` and ``<module>.lora_scale`` (a 0-d tensor), detached copies."""
+    import torch
+
+    out: dict[str, torch.Tensor] = {}
+    for module_name, layer in lora_layers(model):
+        if name in layer.lora_A:
+            out[f"{module_name}.lora_A"] = layer.lora_A[name].weight.detach().clone()
+            out[f"{module_name}.lora_B"] = layer.lora_B[name].weight.detach().clone()
+            out[f"{module_name}.lora_scale"] = torch.tensor(float(layer.scaling[name]), dtype=torch.float32)
+    return out
+
+
+def load_adapter_tensors(model: Any, name: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy tensors written by ``adapter_tensors`` into adapter ``name`` (same modules and rank)."""
+    import torch
+
+    expected = set(adapter_tensors(model, name))
+    if set(tensors) != expected:
+        missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+        raise ValueError(f"adapter tensors do not match adapter {name!r}: missing {missing[:3]}, unexpected {extra[:3]}")
+    with torch.no_grad():
+        for module_name, layer in lora_layers(model):
+            if name in layer.lora_A:
+                for part, module in (("lora_A", layer.lora_A[name]), ("lora_B", layer.lora_B[name])):
+                    source = tensors[f"{module_name}.{part}"]
+                    if source.shape != module.weight.shape:
+                        raise ValueError(f"{module_name}.{part}: shape {tuple(source.shape)}, adapter has {tuple(module.weight.shape)}")
+                    module.weight.copy_(source)
+
+
+def merged_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``W + (B @ A) * scale`` in fp32: the one merge every runtime uses."""
+    delta = (lora_b.float() @ lora_a.float()) * scale.float()
+    return (weight.float() + delta).to(weight.dtype)
+
+
+def merged_weights(base: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """``(<module>.weight, merged)`` for every module of an adapter (as ``adapter_tensors`` names
+    them), from ``base`` (``<module>.weight`` -> the base weight)."""
+    modules = [key[: -len(".lora_A")] for key in tensors if key.endswith(".lora_A")]
+    return [
+        (
+            f"{m}.weight",
+            merged_weight(base[f"{m}.weight"], tensors[f"{m}.lora_A"], tensors[f"{m}.lora_B"], tensors[f"{m}.lora_scale"]),
+        )
+        for m in modules
+    ]
