@@ -51,10 +51,12 @@ class TrainingBackend(Protocol):
         """Log-probabilities ``[B, R]`` of the response tokens, without gradient (0 on padding)."""
 
     def forward_backward(self, batch: TrainingBatch, loss_fn: LossFn) -> dict[str, float]:
-        """Accumulate gradients of ``loss_fn`` over micro-batches of ``batch``; return mean metrics.
+        """Accumulate gradients of ``loss_fn`` over a whole mini-batch ``batch``; return its metrics.
 
-        ``loss_fn`` receives each micro-batch; the losses of micro-batches are summed (so a loss
-        normalised over the whole batch must use ``batch.token_weights``).
+        The backend alone splits ``batch`` into micro-batches (by ``trainer.micro_batch_size`` rows
+        and ``trainer.micro_batch_tokens`` padded positions, never splitting a row) and reduces their
+        metrics once: ``loss`` summed (so a loss normalised over the whole batch must use
+        ``batch.token_weights``), ``*_max``/``*_min`` extremes, the rest a trained-token mean.
         """
 
     def optim_step(self) -> dict[str, float]:

@@ -2,8 +2,8 @@
 Ray actors on this machine.
 
 A backend plugin subclasses it and says how to start its ranks and what each rank gets; the driver
-calls every rank together (results in rank order), splits a batch's rows across ranks, sums and
-averages the ranks' micro-batch metrics, writes checkpoints and Hugging Face directories atomically
+calls every rank together (results in rank order), splits a batch's rows across ranks, reduces the
+ranks' micro-batch metrics (once, for the whole mini-batch), writes checkpoints and Hugging Face directories atomically
 and handles closing: a failed call to Ray ranks kills them all (the others may be stuck in a
 collective with the failed one) and closes the backend.
 """
@@ -18,6 +18,7 @@ from typing import Any, Iterator
 
 import torch
 
+from skyrl_core.backends.packing import combine_micro_metrics
 from skyrl_core.interfaces import LossFn
 from skyrl_core.types import TrainingBatch
 
@@ -100,22 +101,21 @@ class RankDriver:
         return torch.cat(self._replica_results(self._call("forward", self._forward_args(batch, temperature))))
 
     def forward_backward(self, batch: TrainingBatch, loss_fn: LossFn, temperature: float = 1.0) -> dict[str, float]:
-        """Accumulate gradients of ``loss_fn`` over every micro-batch of ``batch`` on every rank.
+        """Accumulate gradients of ``loss_fn`` over a whole mini-batch: the backend splits it into
+        micro-batches (``trainer.micro_batch_size`` rows, ``trainer.micro_batch_tokens`` padded
+        positions, no row split) on every rank.
 
-        Returns the mean over micro-batches of each metric ``loss_fn`` returned, and ``"loss"``: the
-        sum of the micro-batch losses (the whole batch's loss when ``loss_fn`` normalises with
-        ``batch.token_weights``). A ``loss_fn`` with an ``entropy`` parameter also receives the
-        per-token entropy ``[b, R]`` of the same logits (with gradient, 0 on padding).
+        Returns the micro-batches' metrics reduced once (``skyrl_core.backends.packing.combine_micro_metrics``):
+        ``"loss"`` is the sum of the micro-batch losses (the whole batch's loss when ``loss_fn``
+        normalises with ``batch.token_weights``), ``*_max``/``*_min`` the extremes, every other metric
+        ``loss_fn`` returned its mean weighted by trained tokens. A ``loss_fn`` with an ``entropy``
+        parameter also receives the per-token entropy ``[b, R]`` of the same logits (with gradient,
+        0 on padding).
         """
         check_temperature(temperature)
         check_batch(batch)
         results = self._call("forward_backward", self._forward_backward_args(batch, loss_fn, temperature))
-        micro = [metrics for rank_metrics in self._replica_results(results) for metrics in rank_metrics]
-        out: dict[str, float] = {}
-        for key in dict.fromkeys(k for metrics in micro for k in metrics):
-            values = [metrics[key] for metrics in micro if key in metrics]
-            out[key] = sum(values) if key == "loss" else sum(values) / len(values)
-        return out
+        return combine_micro_metrics([record for rank_records in self._replica_results(results) for record in rank_records])
 
     def optim_step(self) -> dict[str, float]:
         return self._call("optim_step")[0]

@@ -222,7 +222,22 @@ class TrainerConfig:
     weight_decay: float = attrs.field(default=0.0, validator=_non_negative, metadata=_help("AdamW weight decay"))
     grad_clip: float = attrs.field(default=1.0, validator=_positive, metadata=_help("max grad norm"))
     mini_batches: int = attrs.field(default=1, validator=_positive, metadata=_help("optimizer steps per training step"))
-    micro_batch_size: int = attrs.field(default=16, validator=_positive, metadata=_help("sequences per forward pass"))
+    micro_batch_size: int = attrs.field(
+        default=16, validator=_positive, metadata=_help("at most this many sequences per forward pass (per rank)")
+    )
+    micro_batch_tokens: int | None = attrs.field(
+        default=4096, validator=_positive,
+        metadata=_help("at most this many padded positions (rows x longest prompt+response) per forward pass "
+                       "(per rank), besides micro_batch_size; a longer sequence runs alone, never split; "
+                       "null: rows only"),
+    )
+    logprob_chunk_tokens: int = attrs.field(
+        default=1024, validator=_positive,
+        metadata=_help("positions whose logits (x vocabulary) are computed at once in logprobs and loss"),
+    )
+    activation_checkpointing: bool = attrs.field(
+        default=False, metadata=_help("recompute each decoder layer in backward instead of storing its activations")
+    )
     ppo_epochs: int = attrs.field(default=1, validator=_positive, metadata=_help("passes over each rollout batch"))
     eval_every: int = attrs.field(default=0, validator=_non_negative, metadata=_help("eval every k steps (0: start and end only)"))
     checkpoint_every: int = attrs.field(default=0, validator=_non_negative, metadata=_help("checkpoint every k steps (0: end only)"))

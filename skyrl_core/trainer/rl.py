@@ -50,7 +50,6 @@ from skyrl_core.trainer import checkpoint as ckpt
 from skyrl_core.trainer.evaluate import evaluate
 from skyrl_core.trainer.loss import RLLoss
 from skyrl_core.trainer.metrics import PLOT_FILE, MetricsLog, plot_metrics
-from skyrl_core.trainer.packing import length_sorted_chunks, scatter_rows
 from skyrl_core.trainer.preflight import check_run_inputs
 from skyrl_core.trainer.progress import Progress
 from skyrl_core.trainer.reference import ReferencePolicy
@@ -102,7 +101,7 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
         pm.hook.skyrl_on_run_start(config=cfg, run_dir=run_dir)
         backend = closing.enter_context(contextlib.closing(build_backend(pm, cfg, model)))
         engine = closing.enter_context(contextlib.closing(build_engine(pm, cfg, model)))
-        reference = ReferencePolicy(model, seed=tc.seed, micro_batch_size=tc.micro_batch_size) if use_kl else None
+        reference = ReferencePolicy(model, seed=tc.seed, trainer=tc) if use_kl else None
         generator = RolloutGenerator(
             engine, codec, EnvironmentFactory(pm, cfg.environment.name, cfg.environment.options),
             max_turns=cfg.rollout.max_turns, max_prompt_tokens=cfg.rollout.max_prompt_tokens,
@@ -129,7 +128,6 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
         verdict = handshake(pm, backend, engine)
         engine.update_weights(backend.export_weights())
         skip_old_logprobs = tc.reuse_rollout_logprobs or verdict.reuse_rollout_logprobs
-        chunk_rows = tc.micro_batch_size * getattr(backend, "world_size", 1)  # micro_batch_size is per rank
         # One optimizer step per rollout, nothing that needs old logprobs before training: see step 2.
         single_update = (tc.ppo_epochs == 1 and tc.mini_batches == 1 and kl_cfg.use_as != "reward"
                          and cfg.algorithm.off_policy == OffPolicyConfig())
@@ -179,7 +177,7 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
                 elif single_update:
                     old_logprobs = None
                 else:
-                    old_logprobs = _forward(backend, batch, chunk_rows)
+                    old_logprobs = backend.forward(batch)
                 timings["time/old_logprobs"] = time.perf_counter() - t
                 ref_logprobs = reference.forward(batch) if reference is not None else None
 
@@ -211,11 +209,8 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
                         weights = reduction_weights(mini.loss_mask, loss_reduction, mini.group_ids, norm_len,
                                                     micro_batch_size=tc.micro_batch_size)
                         mini = attrs.evolve(mini, token_weights=weights * multiplier[rows_of_mini])
-                        # length-sorted, trimmed micro-batches; gradients accumulate until the step
-                        chunks = [chunk for _, chunk in length_sorted_chunks(mini, chunk_rows)]
-                        micro = [backend.forward_backward(chunk, loss_fn) for chunk in chunks]
-                        tokens = [float(chunk.loss_mask.sum()) for chunk in chunks]
-                        train_metrics.append({**_combine_micro_metrics(micro, tokens), **backend.optim_step()})
+                        # the backend packs the mini-batch into micro-batches and reduces their metrics
+                        train_metrics.append({**backend.forward_backward(mini, loss_fn), **backend.optim_step()})
                 metrics.update(_mean_metrics(train_metrics))
                 timings["time/train"] = time.perf_counter() - t
                 if use_kl:
@@ -351,12 +346,6 @@ def _collect_rollouts(
     }
 
 
-def _forward(backend: Any, batch: TrainingBatch, chunk_rows: int) -> torch.Tensor:
-    """The backend's logprobs ``[B, R]`` of ``batch``, computed on length-sorted trimmed chunks."""
-    parts = [(rows, backend.forward(chunk)) for rows, chunk in length_sorted_chunks(batch, chunk_rows)]
-    return scatter_rows(parts, len(batch), batch.response_len)
-
-
 def _advantages(
     estimator: Any, samples: list[TrainingSample], rewards: torch.Tensor, batch: TrainingBatch
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -381,25 +370,6 @@ def _mini_batches(rows: int, count: int) -> list[list[int]]:
     count = min(count, rows)
     bounds = [round(i * rows / count) for i in range(count + 1)]
     return [list(range(bounds[i], bounds[i + 1])) for i in range(count)]
-
-
-def _combine_micro_metrics(records: list[dict[str, float]], tokens: list[float]) -> dict[str, float]:
-    """One mini-batch's metrics from its micro-batches': losses add up, ``*_max``/``*_min`` are the
-    extremes, the rest is averaged weighted by trained tokens."""
-    out: dict[str, float] = {}
-    for key in dict.fromkeys(k for r in records for k in r):
-        pairs = [(r[key], n) for r, n in zip(records, tokens) if key in r]
-        values = [v for v, _ in pairs]
-        if key == "loss":
-            out[key] = sum(values)
-        elif key.endswith("_max"):
-            out[key] = max(values)
-        elif key.endswith("_min"):
-            out[key] = min(values)
-        else:
-            total = sum(n for _, n in pairs)
-            out[key] = sum(v * n for v, n in pairs) / total if total else sum(values) / len(values)
-    return out
 
 
 def _mean_metrics(records: list[dict[str, float]]) -> dict[str, float]:

@@ -1,4 +1,5 @@
-"""Length-sorted trimmed micro-batches keep every real token and the exact loss sum."""
+"""Micro-batches packed by rows and tokens keep every real token and the exact loss sum; their metrics
+are reduced once."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 
 from skyrl_core.algorithms.reductions import reduction_weights
 from skyrl_core.rollout import TrainingSample, build_training_batch
-from skyrl_core.trainer.packing import length_sorted_chunks, scatter_rows, trim
+from skyrl_core.backends.packing import combine_micro_metrics, padded_tokens, plan_micro_batches, scatter_rows, trim
 
 PAD = 99
 
@@ -21,6 +22,10 @@ def _batch():
         for i, (p, r) in enumerate(shapes)
     ]
     return samples, build_training_batch(samples, PAD)
+
+
+def length_sorted_chunks(batch, rows, tokens=None):
+    return [(idx, trim(batch.select(idx))) for idx in plan_micro_batches(batch, max_rows=rows, max_tokens=tokens)]
 
 
 def _real_tokens(batch, row):
@@ -70,3 +75,25 @@ def test_scatter_rows_restores_batch_order() -> None:
     _, batch = _batch()
     parts = [(idx, chunk.rollout_logprobs) for idx, chunk in length_sorted_chunks(batch, 2)]
     assert torch.equal(scatter_rows(parts, len(batch), batch.response_len), batch.rollout_logprobs)
+
+
+def test_token_budget_packs_short_rows_together_and_splits_none() -> None:
+    _, batch = _batch()  # padded lengths by sorted row: 2:(4,0) 4:(3,1) 1:(1,2) 0:(3,5) 3:(2,7)
+    plan = plan_micro_batches(batch, max_rows=16, max_tokens=12)
+    assert plan == [[2, 4], [1], [0], [3]]
+    assert sorted(r for rows in plan for r in rows) == list(range(5))
+    assert all(padded_tokens(batch, rows) <= 12 for rows in plan[:-1])
+    # a row longer than the budget is a micro-batch of its own, never split
+    alone = plan_micro_batches(batch, max_rows=16, max_tokens=2)
+    assert alone == [[2], [4], [1], [0], [3]]
+    assert trim(batch.select([3])).input_ids.shape[1] == 2 + 7
+    # no token budget: rows only (negative control for the budget above)
+    assert plan_micro_batches(batch, max_rows=16) == [[2, 4, 1, 0, 3]]
+
+
+def test_micro_metrics_are_reduced_once_by_rule() -> None:
+    records = [({"loss": 1.0, "ratio_max": 2.0, "ratio_min": 0.5, "kl": 0.1}, 3.0),
+               ({"loss": 0.5, "ratio_max": 1.5, "ratio_min": 0.2, "kl": 0.4}, 1.0)]
+    out = combine_micro_metrics(records)
+    assert out == {"loss": 1.5, "ratio_max": 2.0, "ratio_min": 0.2, "kl": (0.1 * 3 + 0.4) / 4}
+    assert combine_micro_metrics([({"kl": 1.0}, 0.0), ({"kl": 3.0}, 0.0)]) == {"kl": 2.0}

@@ -54,11 +54,13 @@ def test_bf16_computes_in_bf16_keeps_fp32_masters_and_trains(batch):
 
 
 def test_a_loss_with_an_entropy_parameter_gets_the_token_entropy(batch, sequences):
-    seen = []
+    seen = {}
 
     def loss_with_entropy(logprobs, micro_batch, entropy):
-        # Micro-batches come trimmed to their own longest response: pad back to the batch's.
-        seen.append(torch.nn.functional.pad(entropy.detach(), (0, batch.response_len - entropy.shape[1])))
+        # Micro-batches come length-sorted (group_ids are row numbers here) and trimmed to their own
+        # longest response: put rows back in place and pad back to the batch's response length.
+        padded = torch.nn.functional.pad(entropy.detach(), (0, batch.response_len - entropy.shape[1]))
+        seen.update(zip(micro_batch.group_ids, padded))
         # Maximise entropy: a backend handing out a detached or wrong tensor would not move it.
         return -(entropy * micro_batch.token_weights).sum(), {"entropy": float((entropy.detach() * micro_batch.loss_mask).sum())}
 
@@ -66,7 +68,7 @@ def test_a_loss_with_an_entropy_parameter_gets_the_token_entropy(batch, sequence
         hf = hf_model_with(MODEL, dict(fsdp.export_weights()))
         fsdp.forward_backward(batch, loss_with_entropy)
         fsdp.optim_step()
-        entropy = torch.cat(seen)
+        entropy = torch.stack([seen[row] for row in range(len(batch))])
         expected = torch.zeros_like(entropy)
         with torch.no_grad():
             for i, (prompt, response) in enumerate(zip(*sequences)):
@@ -76,7 +78,7 @@ def test_a_loss_with_an_entropy_parameter_gets_the_token_entropy(batch, sequence
         assert (entropy - expected).abs().max().item() < 1e-5
         seen.clear()
         fsdp.forward_backward(batch, loss_with_entropy)
-        after = torch.cat(seen)
+        after = torch.stack([seen[row] for row in range(len(batch))])
         assert (after * batch.token_weights).sum() > (entropy * batch.token_weights).sum()
 
 
@@ -168,5 +170,7 @@ def test_columns_of_padding_are_trimmed_and_change_nothing(batch):
         assert torch.equal(padded[:, :R].view(torch.int32), tight.view(torch.int32))
         assert torch.all(padded[:, R:] == 0)
         fsdp.forward_backward(wide, loss_recording_shapes)
-    # Micro-batches of 2 rows keep only their own longest prompt and response.
-    assert shapes == [((2, 7 + 6), (2, 6), (2, 6)), ((2, 5 + 5), (2, 5), (2, 5))]
+    # Micro-batches of 2 length-sorted rows keep only their own longest prompt and response:
+    # rows 1 and 3 (prompts 7 and 5, responses 2 and 4), then rows 2 and 0 (prompts 1 and 3,
+    # responses 5 and 6).
+    assert shapes == [((2, 7 + 4), (2, 4), (2, 4)), ((2, 3 + 6), (2, 6), (2, 6))]

@@ -8,12 +8,12 @@ gathers the rows back in order; gradients are summed across ranks by FSDP.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Iterator
 
 import torch
 
 from skyrl_core.backends.driver import RankDriver, split_rows
+from skyrl_core.backends.packing import plan_micro_batches
 from skyrl_core.backends.rank_setup import wants_gpu
 from skyrl_core.config.schema import ModelConfig, TrainerConfig
 from skyrl_core.interfaces import LossFn
@@ -25,12 +25,16 @@ from skyrl_fsdp.rank import TRAINER_STATE_FILE, FSDPRank
 class FSDPBackend(RankDriver):
     """FSDP2 training backend. See ``skyrl_core.interfaces.TrainingBackend`` for the contract.
 
-    ``trainer`` supplies lr, schedule, warm-up, weight decay, gradient clipping, micro-batch size
-    (sequences per forward pass on each rank) and the number of steps the schedule spans
-    (``steps * mini_batches * ppo_epochs`` optimizer steps).
+    ``trainer`` supplies lr, schedule, warm-up, weight decay, gradient clipping, micro-batch caps
+    (``micro_batch_size`` rows and ``micro_batch_tokens`` padded positions per forward pass on each
+    rank), ``logprob_chunk_tokens``, ``activation_checkpointing`` and the number of steps the
+    schedule spans (``steps * mini_batches * ppo_epochs`` optimizer steps).
 
-    Each micro-batch reaching a ``loss_fn`` is trimmed of the columns that are padding in all its
-    rows, so its ``[b, r]`` tensors (logprobs included) have its own longest response ``r``.
+    ``forward_backward`` takes a whole mini-batch: each rank packs its rows into length-sorted
+    micro-batches (``skyrl_core.backends.packing``). Each micro-batch reaching a ``loss_fn`` is
+    trimmed of the columns that are padding in all its rows, so its ``[b, r]`` tensors (logprobs
+    included) have its own longest response ``r``; its logprobs are computed only where its loss
+    mask is set.
     ``save_checkpoint`` writes weights (a Hugging Face directory), optimizer, step and RNG state;
     ``save_hf`` also writes the tokenizer when the model has one.
     """
@@ -74,18 +78,20 @@ class FSDPBackend(RankDriver):
 
         stop_ranks(self._actors, reuse=self.options.reuse_workers, use_gpu=self._use_gpu)
 
-    def _split(self, batch: TrainingBatch) -> list[tuple[TrainingBatch, int, TrainingBatch | None]]:
-        """Per-rank ``(rows, micro-batches every rank runs, filler)`` arguments."""
-        parts, mbs = split_rows(batch, self.world_size), self.trainer.micro_batch_size
-        num_micro = max(math.ceil(len(part) / mbs) for part in parts)
-        filler = batch.select([0]) if any(math.ceil(len(part) / mbs) < num_micro for part in parts) else None
-        return [(part, num_micro, filler) for part in parts]
+    def _split(self, batch: TrainingBatch) -> list[tuple[TrainingBatch, list[list[int]], int, TrainingBatch | None]]:
+        """Per-rank ``(rows, micro-batch plan, micro-batches every rank runs, filler)`` arguments."""
+        parts = split_rows(batch, self.world_size)
+        plans = [plan_micro_batches(part, max_rows=self.trainer.micro_batch_size, max_tokens=self.trainer.micro_batch_tokens)
+                 if len(part) else [] for part in parts]
+        num_micro = max(len(plan) for plan in plans)
+        filler = batch.select([0]) if any(len(plan) < num_micro for plan in plans) else None
+        return [(part, plan, num_micro, filler) for part, plan in zip(parts, plans)]
 
     def _forward_args(self, batch: TrainingBatch, temperature: float) -> list[tuple]:
-        return [(part, temperature, n, filler) for part, n, filler in self._split(batch)]
+        return [(part, temperature, plan, n, filler) for part, plan, n, filler in self._split(batch)]
 
     def _forward_backward_args(self, batch: TrainingBatch, loss_fn: LossFn, temperature: float) -> list[tuple]:
-        return [(part, loss_fn, n, filler, temperature) for part, n, filler in self._split(batch)]
+        return [(part, loss_fn, plan, n, filler, temperature) for part, plan, n, filler in self._split(batch)]
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full fp32 weights on CPU by Hugging Face name, in ``state_dict`` order (tied names included)."""

@@ -28,13 +28,16 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from skyrl_core.backends.activation_checkpointing import checkpoint_layers, decoder_layers
+from skyrl_core.backends.packing import scatter_rows, trim
 from skyrl_core.backends.rank_setup import accepts_keyword, batch_to_device, join_process_group, resolve_device
 from skyrl_core.config.schema import ModelConfig, TrainerConfig
 from skyrl_core.heap import keep_freed_memory
 from skyrl_core.interfaces import LossFn
 from skyrl_core.models import load_causal_lm, load_tokenizer
 from skyrl_core.state_file import load_state, save_state
-from skyrl_core.ops import prepare_model, site_scope, token_logprobs
+from skyrl_core.ops import prepare_model, site_scope
+from skyrl_core.ops.chunked_logprobs import response_logprobs
 from skyrl_core.types import TrainingBatch
 from skyrl_fsdp.hf_io import read_hf_weights, tied_aliases, write_hf_dir
 from skyrl_fsdp.options import FSDPOptions
@@ -67,21 +70,15 @@ def _release_process_group() -> None:
         _process_group_owned = False
 
 
-def trim_padding(batch: TrainingBatch) -> TrainingBatch:
-    """``batch`` without the columns that are padding in every row: the left of the prompts and
-    the right of the responses (a micro-batch of short sequences need not pay for the longest)."""
-    P, mask = batch.prompt_len, batch.attention_mask.bool()
-    first = int(mask[:, :P].any(0).nonzero()[0])  # every prompt has a real token at column P - 1
-    response_real = mask[:, P:].any(0).nonzero()
-    keep = int(response_real[-1]) + 1 if len(response_real) else 1
-    if first == 0 and keep == batch.response_len:
-        return batch
-    changes: dict[str, Any] = {"input_ids": batch.input_ids[:, first : P + keep], "attention_mask": batch.attention_mask[:, first : P + keep]}
-    for field in attrs.fields(TrainingBatch):
-        value = getattr(batch, field.name)
-        if field.name not in changes and isinstance(value, torch.Tensor) and value.ndim == 2:
-            changes[field.name] = value[:, :keep]
-    return attrs.evolve(batch, **changes)
+def _positions_to_score(micro: TrainingBatch) -> torch.Tensor:
+    """Where a training pass computes logprobs: the loss mask's tokens. A micro-batch without any
+    still scores its real tokens (all with zero weight): its backward must run through every layer,
+    since the other ranks' backward collectives wait for this rank's."""
+    real = micro.attention_mask[:, -micro.response_len:].bool()
+    trained = micro.loss_mask.bool() & real
+    if bool(trained.any()):
+        return trained
+    return real if bool(real.any()) else torch.ones_like(real)
 
 
 def _scalar(value: Any) -> float:
@@ -150,7 +147,8 @@ class FSDPRank:
             defaults["linear"] = ONEDNN_LINEAR
         self.ledger = prepare_model(self.model, "trainer", compute_dtype=compute_dtype, defaults=defaults)
         self.aliases = tied_aliases(self.model)
-        self._logits_to_keep = accepts_keyword(self.model.forward, "logits_to_keep")
+        if trainer.activation_checkpointing:
+            checkpoint_layers(decoder_layers(self.model))
         self.model.to(self.device)
         self._shard()
 
@@ -185,62 +183,62 @@ class FSDPRank:
 
     # --- computation -------------------------------------------------------------------------
 
-    def _micro_batches(self, part: TrainingBatch, num_micro: int, filler: TrainingBatch | None) -> list[tuple[TrainingBatch, bool]]:
-        real = part.split(self.trainer.micro_batch_size) if len(part) else []
-        if len(real) > num_micro:
-            raise AssertionError(f"rank {self.rank} got {len(real)} micro-batches, more than {num_micro}")
-        if len(real) < num_micro and filler is None:
+    def _micro_batches(
+        self, part: TrainingBatch, plan: list[list[int]], num_micro: int, filler: TrainingBatch | None
+    ) -> list[tuple[TrainingBatch, bool]]:
+        """This rank's micro-batches (``plan``: row indices of each, from the driver), trimmed, then
+        filler passes up to ``num_micro``."""
+        if len(plan) > num_micro:
+            raise AssertionError(f"rank {self.rank} got {len(plan)} micro-batches, more than {num_micro}")
+        if len(plan) < num_micro and filler is None:
             raise AssertionError(f"rank {self.rank} needs filler passes but got no filler row")
-        passes = [(mb, True) for mb in real] + [(filler, False)] * (num_micro - len(real))
-        return [(batch_to_device(trim_padding(mb), self.device), is_real) for mb, is_real in passes]
+        passes = [(part.select(rows), True) for rows in plan] + [(filler, False)] * (num_micro - len(plan))
+        return [(batch_to_device(trim(mb), self.device), is_real) for mb, is_real in passes]
 
-    def _response_logprobs(self, batch: TrainingBatch, temperature: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logprobs ``[B, R]`` of the response tokens (0 on padding), and their entropy if asked."""
-        R = batch.response_len
-        ids, mask = batch.input_ids, batch.attention_mask
-        # Left-padded prompts: positions count real tokens only, so padding does not shift them.
-        position_ids = (mask.long().cumsum(-1) - 1).clamp_min(0)
-        extra = {"logits_to_keep": R + 1} if self._logits_to_keep else {}
-        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False, **extra).logits
-        logits = logits[:, -(R + 1) : -1]  # the prediction of response token i sits one position earlier
-        if temperature != 1.0:
-            logits = logits.float() / temperature
-        logprobs = token_logprobs(logits, ids[:, -R:], ledger=self.ledger)
-        real = mask[:, -R:].bool()
-        zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
-        logprobs = torch.where(real, logprobs, zero)
-        entropy = None
-        if with_entropy:
-            logp = torch.log_softmax(logits.float(), dim=-1)
-            entropy = torch.where(real, -(logp.exp() * logp).sum(-1), zero)
-        return logprobs, entropy
+    def _response_logprobs(
+        self, batch: TrainingBatch, temperature: float, with_entropy: bool, where: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logprobs ``[B, R]`` of the response tokens where ``where`` is true (0 elsewhere), and their
+        entropy if asked; logits exist ``trainer.logprob_chunk_tokens`` positions at a time."""
+        return response_logprobs(
+            self.model, batch.input_ids, batch.attention_mask, batch.response_len, where, ledger=self.ledger,
+            temperature=temperature, chunk_tokens=self.trainer.logprob_chunk_tokens, with_entropy=with_entropy,
+        )
 
-    def forward(self, part: TrainingBatch, temperature: float, num_micro: int, filler: TrainingBatch | None) -> torch.Tensor:
+    def forward(
+        self, part: TrainingBatch, temperature: float, plan: list[list[int]], num_micro: int, filler: TrainingBatch | None
+    ) -> torch.Tensor:
         outputs = []
         with torch.no_grad(), site_scope("trainer_score"):
-            for micro, real in self._micro_batches(part, num_micro, filler):
-                logprobs, _ = self._response_logprobs(micro, temperature, with_entropy=False)
-                if real:  # back to the batch's response length (trimmed columns are padding: 0)
-                    outputs.append(torch.nn.functional.pad(logprobs.float().cpu(), (0, part.response_len - micro.response_len)))
-        return torch.cat(outputs) if outputs else torch.zeros(0, part.response_len)
+            for (micro, real), rows in zip(self._micro_batches(part, plan, num_micro, filler), plan + [None] * num_micro):
+                real_tokens = micro.attention_mask[:, -micro.response_len:].bool()
+                logprobs, _ = self._response_logprobs(micro, temperature, False, real_tokens)
+                if real:
+                    outputs.append((rows, logprobs.float().cpu()))
+        return scatter_rows(outputs, len(part), part.response_len)
 
     def forward_backward(
-        self, part: TrainingBatch, loss_fn: LossFn, num_micro: int, filler: TrainingBatch | None, temperature: float
-    ) -> list[dict[str, float]]:
-        """Per real micro-batch: ``{**metrics, "loss": loss}``. Gradients accumulate in the shards."""
+        self, part: TrainingBatch, loss_fn: LossFn, plan: list[list[int]], num_micro: int, filler: TrainingBatch | None,
+        temperature: float,
+    ) -> list[tuple[dict[str, float], float]]:
+        """Per real micro-batch: ``({**metrics, "loss": loss}, trained tokens)``. Gradients accumulate
+        in the shards. Logprobs are computed only where the loss mask is set (the loss reads no other)."""
         wants_entropy = accepts_keyword(loss_fn, "entropy")
         results = []
-        for micro, real in self._micro_batches(part, num_micro, filler):
+        for micro, real in self._micro_batches(part, plan, num_micro, filler):
+            trained = _positions_to_score(micro)
             with site_scope("trainer_forward"):
-                logprobs, entropy = self._response_logprobs(micro, temperature, with_entropy=wants_entropy and real)
                 if real:
+                    logprobs, entropy = self._response_logprobs(micro, temperature, wants_entropy, trained)
                     extra = {"entropy": entropy} if wants_entropy else {}
                     loss, metrics = loss_fn(logprobs, micro, **extra)
                 else:  # joins the collectives, contributes exactly zero gradient
+                    logprobs, _ = self._response_logprobs(micro, temperature, False, torch.ones_like(trained))
                     loss, metrics = logprobs.sum() * 0.0, {}
                 loss.backward()
             if real:
-                results.append({**{k: _scalar(v) for k, v in metrics.items()}, "loss": _scalar(loss)})
+                record = {**{k: _scalar(v) for k, v in metrics.items()}, "loss": _scalar(loss)}
+                results.append((record, float(trained.sum())))
         return results
 
     def optim_step(self) -> dict[str, float]:

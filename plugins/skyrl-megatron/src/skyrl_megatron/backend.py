@@ -8,12 +8,12 @@ tensor-parallel rank of a replica gets the same rows.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Iterator
 
 import torch
 
 from skyrl_core.backends.driver import RankDriver, split_rows
+from skyrl_core.backends.packing import plan_micro_batches
 from skyrl_core.backends.rank_setup import wants_gpu
 from skyrl_core.config.schema import ModelConfig, TrainerConfig
 from skyrl_core.interfaces import LossFn
@@ -25,9 +25,11 @@ from skyrl_megatron.rank import TRAINER_STATE_FILE, MegatronRank
 class MegatronBackend(RankDriver):
     """Megatron-core training backend. See ``skyrl_core.interfaces.TrainingBackend`` for the contract.
 
-    ``trainer`` supplies lr, schedule, warm-up, weight decay, gradient clipping, micro-batch size
-    (unless ``options.micro_batch_size`` is set) and the number of steps the schedule spans
-    (``steps * mini_batches * ppo_epochs`` optimizer steps).
+    ``trainer`` supplies lr, schedule, warm-up, weight decay, gradient clipping, micro-batch caps
+    (``micro_batch_size`` rows unless ``options.micro_batch_size`` is set, ``micro_batch_tokens``
+    padded positions) and the number of steps the schedule spans (``steps * mini_batches *
+    ppo_epochs`` optimizer steps). ``forward_backward`` takes a whole mini-batch; each replica packs
+    its rows into length-sorted micro-batches. ``trainer.activation_checkpointing`` is refused.
 
     ``save_checkpoint`` writes every rank's shard, optimizer and RNG state and the step; it reloads
     at the same tensor-parallel degree and world size. ``save_hf`` writes ``config.json`` and
@@ -52,6 +54,9 @@ class MegatronBackend(RankDriver):
             options = MegatronOptions(**options)
         self.options = options
         self.trainer = trainer or TrainerConfig()
+        if self.trainer.activation_checkpointing:
+            raise ValueError("trainer.activation_checkpointing=true is not built for the megatron backend "
+                             "(it is for fsdp); set it to false")
         self.world_size = options.processes
         in_process = options.launcher == "inprocess" or (options.launcher == "auto" and self.world_size == 1)
         if in_process:
@@ -76,7 +81,8 @@ class MegatronBackend(RankDriver):
         passes = None
         if self.options.expert_parallel > 1:
             size = self.options.micro_batch_size or self.trainer.micro_batch_size
-            passes = max(math.ceil(len(part) / size) for part in parts)
+            passes = max(len(plan_micro_batches(part, max_rows=size, max_tokens=self.trainer.micro_batch_tokens))
+                         if len(part) else 0 for part in parts)
         return [(parts[rank // tp], *extra, passes) for rank in range(self.world_size)]
 
     def _forward_args(self, batch: TrainingBatch, temperature: float) -> list[tuple]:

@@ -17,6 +17,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from skyrl_core.backends.packing import plan_micro_batches, scatter_rows
 from skyrl_core.backends.rank_setup import accepts_keyword, batch_to_device, join_process_group, resolve_device
 from skyrl_core.config.schema import ModelConfig, TrainerConfig
 from skyrl_core.interfaces import LossFn
@@ -271,10 +272,15 @@ class MegatronRank:
             entropy = torch.where(real, entropy, zero)
         return logprobs, entropy
 
+    def _plan(self, part: TrainingBatch) -> list[list[int]]:
+        """Row indices of this replica's micro-batches: length-sorted, packed under the row and
+        token caps (``skyrl_core.backends.packing``), no row split."""
+        return plan_micro_batches(part, max_rows=self._micro_batch_size(), max_tokens=self.trainer.micro_batch_tokens) if len(part) else []
+
     def _passes(self, part: TrainingBatch, num_passes: int | None) -> list[TrainingBatch]:
         """This replica's micro-batches, then empty ones up to ``num_passes`` (expert parallelism:
         every rank of an expert group must enter the same collectives the same number of times)."""
-        micro = part.split(self._micro_batch_size()) if len(part) else []
+        micro = [part.select(rows) for rows in self._plan(part)]
         if num_passes is None:
             return micro
         if len(micro) > num_passes:
@@ -292,12 +298,14 @@ class MegatronRank:
                 micro = batch_to_device(micro, self.device)
                 logprobs, _ = self._response_logprobs(micro, temperature, "trainer_score", False, self._pass_rows(num_passes))
                 outputs.append(logprobs.float().cpu())
-        return torch.cat(outputs) if outputs else torch.zeros(0, part.response_len)
+        # Micro-batches are length-sorted: rows go back to their places.
+        return scatter_rows(list(zip(self._plan(part), outputs)), len(part), part.response_len)
 
     def forward_backward(
         self, part: TrainingBatch, loss_fn: LossFn, temperature: float, num_passes: int | None = None
-    ) -> list[dict[str, float]]:
-        """Per micro-batch of this replica's rows: ``{**metrics, "loss": loss}``; gradients accumulate."""
+    ) -> list[tuple[dict[str, float], float]]:
+        """Per micro-batch of this replica's rows: ``({**metrics, "loss": loss}, trained tokens)``;
+        gradients accumulate. The driver reduces the records once for the mini-batch."""
         wants_entropy = accepts_keyword(loss_fn, "entropy")
         results = []
         for micro in self._passes(part, num_passes):
@@ -312,7 +320,7 @@ class MegatronRank:
                 extra = {"entropy": entropy} if wants_entropy else {}
                 loss, metrics = loss_fn(logprobs, micro, **extra)
                 loss.backward()
-            results.append({**{k: float(v) for k, v in metrics.items()}, "loss": float(loss.detach())})
+            results.append(({**{k: float(v) for k, v in metrics.items()}, "loss": float(loss.detach())}, float(micro.loss_mask.sum())))
         return results
 
     def _micro_batch_size(self) -> int:
