@@ -22,6 +22,7 @@ import threading
 import time
 from pathlib import Path
 
+import attrs
 import pytest
 
 from skyrl_envs.sandbox import SandboxLimits, SandboxUnavailable, run_python
@@ -530,3 +531,229 @@ def test_exit_codes_and_exceptions_are_reported():
 def test_a_sandbox_that_cannot_be_built_refuses_to_run():
     with pytest.raises(SandboxUnavailable, match="cannot build the code sandbox"):
         run_python("print('ran')", "", LIMITS, python="/nonexistent-dir/bin/python")
+
+
+# --- the sandbox as a whole: memory, the keyring, what is visible (issue 17) --------------------
+
+BUDGET = 128 * MIB  # total_memory_bytes of the tests below: the whole sandbox's RAM
+WHOLE = attrs.evolve(LIMITS, wall_seconds=5.0, cpu_seconds=3, total_memory_bytes=BUDGET)
+
+
+def test_a_nested_namespace_tmpfs_cannot_fill_ram():
+    """unshare(user + mount), mount a tmpfs, write twice the budget into it."""
+    result = attack(f"""
+        import ctypes, os
+        libc = ctypes.CDLL(None, use_errno=True)
+        uid, gid = os.getuid(), os.getgid()
+        if libc.unshare(0x10000000 | 0x00020000) != 0:
+            print("unshare refused", ctypes.get_errno())
+        else:
+            open("/proc/self/setgroups", "w").write("deny")
+            open("/proc/self/uid_map", "w").write(f"0 {{uid}} 1")
+            open("/proc/self/gid_map", "w").write(f"0 {{gid}} 1")
+            os.makedirs("/tmp/ram", exist_ok=True)
+            print("mount", libc.mount(b"tmpfs", b"/tmp/ram", b"tmpfs", 0, b"size=1g"), flush=True)
+        written = 0
+        try:
+            with open("/tmp/ram/fill" if os.path.ismount("/tmp/ram") else "/tmp/fill", "wb") as handle:
+                while written < {2 * BUDGET}:
+                    handle.write(b"x" * {16 * MIB})
+                    written += {16 * MIB}
+                    handle.flush()
+        except OSError as error:
+            print("stopped", error.errno)
+        print("written", written, flush=True)
+    """, limits=WHOLE)
+    assert "unshare refused 1" in result.stdout, result.stdout  # EPERM: no nested user namespace
+    written = [int(line.split()[1]) for line in result.stdout.splitlines() if line.startswith("written")]
+    assert written and written[0] <= WHOLE.disk_bytes
+
+
+def hold_in_children(children: int, each: int) -> str:
+    """Each child fills ``each`` bytes and keeps them; prints how much was held at once."""
+    return f"""
+        import os, time
+        ready_read, ready_write = os.pipe()
+        pids = []
+        for _ in range({children}):
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    block = b"\\x01" * {each}
+                    os.write(ready_write, b"+")
+                except MemoryError:
+                    os._exit(3)
+                time.sleep(30)
+                os._exit(0)
+            pids.append(pid)
+        os.set_blocking(ready_read, False)
+        ready, deadline = b"", time.monotonic() + 3
+        while len(ready) < {children} and time.monotonic() < deadline:
+            try:
+                ready += os.read(ready_read, {children})
+            except BlockingIOError:
+                time.sleep(0.05)
+        alive = sum(os.waitpid(pid, os.WNOHANG) == (0, 0) for pid in pids)
+        print("held", min(alive, len(ready)) * {each}, len(ready), alive)
+    """
+
+
+@pytest.mark.parametrize("bound", ["cgroup", "address_space"])
+def test_many_processes_cannot_hold_more_than_the_whole_budget(bound, monkeypatch):
+    """Children each within their own address-space limit, together twice over the sandbox's budget."""
+    from skyrl_envs.sandbox import runner
+
+    if bound == "cgroup":
+        limits, children = WHOLE, 4  # 4 x 96 MiB against 128 MiB
+    else:  # as on a machine without a memory cgroup: the budget is split over the processes
+        monkeypatch.setattr(runner, "make_cgroups", lambda *args: None)
+        limits, children = attrs.evolve(WHOLE, total_memory_bytes=512 * MIB), 6  # 6 x 96 MiB against 512 MiB
+    result = attack(hold_in_children(children, 96 * MIB), limits=limits)
+    assert result.memory_bound == bound
+    assert result.stdout.startswith("held"), (result.stdout, result.stderr[-300:])
+    assert int(result.stdout.split()[1]) <= limits.total_memory_bytes, result.stdout
+
+
+def test_without_a_cgroup_a_budget_too_small_to_split_is_refused(monkeypatch):
+    from skyrl_envs.sandbox import runner
+
+    monkeypatch.setattr(runner, "make_cgroups", lambda *args: None)
+    with pytest.raises(SandboxUnavailable, match="total_memory_bytes / processes"):
+        run_python("print(1)", "", attrs.evolve(WHOLE, total_memory_bytes=64 * MIB))
+
+
+def test_sysv_shared_memory_cannot_grow_past_the_budget():
+    """Segments outlive their detach: 2x the budget in 32 MiB segments, each touched then detached."""
+    result = attack(f"""
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.shmat.restype = ctypes.c_void_p
+        held = 0
+        for number in range({2 * BUDGET // (32 * MIB)}):
+            segment = libc.shmget(0, {32 * MIB}, 0o1600)  # IPC_PRIVATE, IPC_CREAT | 0600
+            if segment < 0:
+                print("shmget refused", ctypes.get_errno())
+                break
+            address = libc.shmat(segment, None, 0)
+            if address in (None, ctypes.c_void_p(-1).value):
+                print("shmat refused", ctypes.get_errno())
+                break
+            ctypes.memset(address, 1, {32 * MIB})
+            libc.shmdt(ctypes.c_void_p(address))
+            held += {32 * MIB}
+            print("held", held, flush=True)
+    """, limits=WHOLE)
+    held = [int(line.split()[1]) for line in result.stdout.splitlines() if line.startswith("held")]
+    assert max(held, default=0) <= BUDGET, result.stdout
+
+
+KEYCTL = {"x86_64": (248, 249, 250), "aarch64": (217, 218, 219)}[os.uname().machine]  # add_key, request_key, keyctl
+
+
+def _keyring_call(*args):
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    return libc.syscall(*args)
+
+
+def test_the_callers_session_keyring_is_out_of_reach():
+    add_key, _, keyctl = KEYCTL
+    # A session keyring of our own (this thread's), holding a secret.
+    assert _keyring_call(keyctl, 1, b"skyrl-test-session") > 0  # KEYCTL_JOIN_SESSION_KEYRING
+    secret = f"keyring-secret-{random.randrange(10**9)}".encode()
+    key = _keyring_call(add_key, b"user", b"skyrl-secret", secret, len(secret), -3)  # KEY_SPEC_SESSION_KEYRING
+    assert key > 0
+    result = attack(f"""
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall.restype = ctypes.c_long
+        add_key, request_key, keyctl = {KEYCTL}
+        buffer = ctypes.create_string_buffer(256)
+        for target in ({key}, libc.syscall(keyctl, 10, -3, b"user", b"skyrl-secret", 0)):  # KEYCTL_SEARCH
+            length = libc.syscall(keyctl, 11, target, buffer, 256)  # KEYCTL_READ
+            print("read", target, length, ctypes.get_errno(), buffer.raw[:max(length, 0)])
+        found = libc.syscall(request_key, b"user", b"skyrl-secret", None, 0)
+        print("request_key", found, ctypes.get_errno())
+        planted = libc.syscall(add_key, b"user", b"planted", b"x", 1, -3)
+        print("add_key", planted, ctypes.get_errno())
+        print("keys", open("/proc/keys").read() if __import__("os").path.exists("/proc/keys") else "")
+    """)
+    assert secret.decode() not in result.stdout, result.stdout
+    assert "skyrl-secret" not in result.stdout.split("keys", 1)[-1]
+    # Nothing the program did outlives it in our keyring.
+    assert _keyring_call(keyctl, 10, -3, b"user", b"planted", 0) == -1
+
+
+def test_only_the_interpreter_and_system_libraries_are_visible(world_writable_dir):
+    """Hidden tests and answer keys in world-readable files elsewhere cannot be read."""
+    answers = world_writable_dir / "hidden_tests.jsonl"
+    answers.write_text('{"input": "1 2", "output": "3"}\n')
+    answers.chmod(0o644)
+    repo_answer_key = Path(__file__).resolve().parents[1] / "src/skyrl_envs/data/multi_tool/questions.jsonl"
+    site_packages = [p for p in sys.path if p.endswith("-packages") and os.path.isdir(p)]
+    base_site = Path(os.path.realpath(sys.base_prefix)) / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
+    result = attack(f"""
+        import os
+        for path in {[str(answers), str(repo_answer_key), *site_packages, str(base_site), "/etc/passwd", "/work", "/opt"]!r}:
+            try:
+                if os.path.isdir(path):
+                    entries = os.listdir(path)
+                    print("LISTED" if entries else "empty", path, entries[:3])
+                else:
+                    print("READ", path, open(path).read()[:40])
+            except OSError as error:
+                print("refused", path, error.errno)
+        print("root", sorted(os.listdir("/")))
+    """)
+    assert result.exit_code == 0, result.stderr
+    assert "READ" not in result.stdout and "LISTED" not in result.stdout, result.stdout
+    root = eval(result.stdout.splitlines()[-1].removeprefix("root "))
+    assert set(root) <= {"usr", "bin", "lib", "lib64", "lib32", "libx32", "sbin", "dev", "proc", "tmp", "root"}, root
+
+
+# --- model text never stops a run; stale sandboxes are cleaned up -------------------------------
+
+
+@pytest.mark.parametrize("program, reason", [
+    ("print('\ud800')", "not valid UTF-8"),                 # a lone surrogate
+    ("x = 1\n" + "#" * (5 * MIB), "larger than"),             # over disk_bytes (4 MiB)
+    ("print(1)\x00", None),                                   # a NUL byte: Python's own SyntaxError
+])
+def test_a_program_the_sandbox_cannot_hold_is_a_failed_run_not_an_error(program, reason):
+    result = run_python(program, "", LIMITS)
+    assert not result.ok
+    if reason is None:
+        assert result.exit_code == 1 and "SyntaxError" in result.stderr
+    else:
+        assert result.rejected and reason in result.rejected and result.exit_code is None
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
+def test_stale_sandbox_directories_of_dead_callers_are_removed():
+    from skyrl_envs.sandbox import stale
+
+    killed = subprocess.Popen(
+        [sys.executable, "-c", "from skyrl_envs.sandbox import run_python, SandboxLimits\n"
+         "run_python('import time; time.sleep(60)', '', SandboxLimits(wall_seconds=60))"])
+    deadline = time.monotonic() + 10
+    while not stale.stage_dirs_of(killed.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    leftovers = stale.stage_dirs_of(killed.pid)
+    assert leftovers, "the sandbox of the caller never started"
+    killed.kill()
+    killed.wait()
+    assert all(path.exists() for path in leftovers)  # a SIGKILLed caller cannot clean up after itself
+    live = stale.new_stage_dir()  # one of ours, alive: must survive
+    try:
+        removed = stale.remove_stale_sandboxes()
+        assert set(leftovers) <= set(removed) and not any(path.exists() for path in leftovers)
+        assert live.exists() and live not in removed
+    finally:
+        live.rmdir()

@@ -7,10 +7,18 @@ the launcher kills the sandbox's whole pid namespace. It is thread-safe (no ``pr
 
 If this machine cannot build the sandbox (no namespaces, no ``mount_setattr``, ...),
 ``SandboxUnavailable`` is raised with the reason: the program is never run without isolation.
+A program that the sandbox cannot hold (not valid UTF-8, larger than ``disk_bytes``) is the
+program's failure, never an exception: the result says why in ``rejected``.
+
+The whole sandbox's memory is bounded by ``total_memory_bytes``: by a memory cgroup where this
+machine lets the caller make one (``cgroup.py``), else by capping each process's address space at
+``total_memory_bytes / processes`` (``RLIMIT_NPROC`` counts the processes; the seccomp filter keeps
+the program from making a user namespace, which is what mounting a RAM-backed file system needs).
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import selectors
@@ -18,13 +26,14 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import attrs
 
 from skyrl_core.tools import ToolUnavailable
+from skyrl_envs.sandbox import stale
+from skyrl_envs.sandbox.cgroup import make_cgroups
 from skyrl_envs.sandbox.limits import SandboxLimits
 
 LAUNCHER = str(Path(__file__).with_name("launcher.py"))
@@ -39,6 +48,7 @@ PROGRAM_ENV = {
     "OPENBLAS_NUM_THREADS": "1",
 }
 KILL_GRACE_SECONDS = 2.0  # after a kill, how long to wait for the pipes to close
+MIN_PROCESS_MEMORY = 64 * 1024 * 1024  # address space Python needs to start and run a few threads
 
 
 class SandboxUnavailable(ToolUnavailable):
@@ -47,7 +57,8 @@ class SandboxUnavailable(ToolUnavailable):
 
 @attrs.frozen(kw_only=True)
 class SandboxResult:
-    """How a sandboxed run ended. ``exit_code`` is None when the program died of ``signal``."""
+    """How a sandboxed run ended. ``exit_code`` is None when the program died of ``signal`` or
+    was ``rejected`` (the reason it could not be started; empty when it was)."""
 
     stdout: str
     stderr: str
@@ -56,11 +67,18 @@ class SandboxResult:
     timed_out: bool
     output_truncated: bool
     wall_seconds: float
+    rejected: str = ""
+    memory_bound: str = ""  # "cgroup" or "address_space": how total_memory_bytes was enforced
 
     @property
     def ok(self) -> bool:
         """Exited 0 within every limit."""
-        return self.exit_code == 0 and not self.timed_out and not self.output_truncated
+        return self.exit_code == 0 and not self.timed_out and not self.output_truncated and not self.rejected
+
+
+def _rejected(reason: str) -> SandboxResult:
+    return SandboxResult(stdout="", stderr="", exit_code=None, signal=None, timed_out=False, output_truncated=False,
+                         wall_seconds=0.0, rejected=reason)
 
 
 def run_python(program: str, stdin: str = "", limits: SandboxLimits = SandboxLimits(), *,
@@ -69,12 +87,18 @@ def run_python(program: str, stdin: str = "", limits: SandboxLimits = SandboxLim
     # The base interpreter, not the venv's: the program needs only the stdlib, and a venv may live
     # under /tmp (a CI clone), which the sandbox replaces with its private tmpfs.
     python = python or os.path.realpath(sys.executable)
-    stage = tempfile.mkdtemp(prefix="skyrl-sandbox-")
+    reason = _unrunnable(program, limits)
+    if reason:
+        return _rejected(reason)
+    stdin_bytes = stdin.encode("utf-8", errors="surrogateescape")  # test data: bytes as given
+    stale.remove_stale_sandboxes_once()
+    stage = stale.new_stage_dir()
+    cgroups = make_cgroups(stage.name, limits.total_memory_bytes, limits.processes)
     status_read, status_write = os.pipe()
     process: subprocess.Popen | None = None
     streams: _Streams | None = None
     try:
-        config = _launcher_config(program, python, limits)
+        config = _launcher_config(program, python, limits, stage, cgroups)
         Path(stage, "config.json").write_text(json.dumps(config), encoding="utf-8")
         started = time.monotonic()
         process = subprocess.Popen(
@@ -85,7 +109,7 @@ def run_python(program: str, stdin: str = "", limits: SandboxLimits = SandboxLim
         )
         os.close(status_write)
         status_write = -1
-        streams = _Streams(process, status_read, stdin.encode("utf-8"), limits.output_bytes)
+        streams = _Streams(process, status_read, stdin_bytes, limits.output_bytes)
         timed_out = not streams.pump(deadline=started + limits.wall_seconds)
         if timed_out or streams.truncated:
             _kill_group(process.pid)
@@ -105,10 +129,15 @@ def run_python(program: str, stdin: str = "", limits: SandboxLimits = SandboxLim
         for fd in (status_read, status_write):
             if fd >= 0:
                 os.close(fd)
+        if cgroups is not None:
+            cgroups.remove()
         shutil.rmtree(stage, ignore_errors=True)
     errors = [s["error"] for s in statuses if "error" in s]
     if errors:
         raise SandboxUnavailable(f"cannot build the code sandbox on this machine: {errors[0]}")
+    rejections = [s["rejected"] for s in statuses if "rejected" in s]
+    if rejections:
+        return _rejected(rejections[0])
     ending = next((s for s in statuses if "exit_code" in s or "signal" in s), {})
     if not ending and not (timed_out or streams.truncated):
         raise SandboxUnavailable(
@@ -123,25 +152,64 @@ def run_python(program: str, stdin: str = "", limits: SandboxLimits = SandboxLim
         timed_out=timed_out,
         output_truncated=streams.truncated,
         wall_seconds=wall_seconds,
+        memory_bound="cgroup" if cgroups is not None else "address_space",
     )
 
 
-def _launcher_config(program: str, python: str, limits: SandboxLimits) -> dict:
-    expose = sorted({os.path.realpath(p) for p in (sys.base_prefix, os.path.dirname(os.path.realpath(python)))})
+def _unrunnable(program: str, limits: SandboxLimits) -> str:
+    """Why ``program`` cannot even be placed in the sandbox ('' when it can)."""
+    try:
+        size = len(program.encode("utf-8"))
+    except UnicodeEncodeError as error:
+        return f"the program is not valid UTF-8 text ({error.reason} at character {error.start})"
+    if size > limits.disk_bytes:
+        return f"the program is larger than the sandbox allows ({size} bytes)"
+    return ""
+
+
+def visible_paths(python: str, limits: SandboxLimits) -> tuple[list[str], list[str], list[str]]:
+    """(host paths shown read-only inside, the interpreter's directories not among them, the
+    site-packages directories under either, covered empty)."""
+    interpreter = {os.path.realpath(p) for p in (sys.base_prefix, os.path.dirname(os.path.realpath(python)))}
+    shown = [p for p in limits.visible_paths if os.path.lexists(p)]
+    shown_real = [os.path.realpath(p) for p in shown]
+    extra = sorted(p for p in interpreter if not any(p == v or p.startswith(v.rstrip("/") + "/") for v in shown_real))
+    covered = set()
+    for root in shown + extra:
+        for pattern in ("lib/python3*/site-packages", "lib/python3*/dist-packages", "lib/python3/dist-packages",
+                        "local/lib/python3*/*-packages", "lib64/python3*/site-packages"):
+            covered.update(os.path.realpath(p) for p in glob.glob(os.path.join(root, pattern)))
+    return shown, extra, sorted(covered)
+
+
+def _launcher_config(program: str, python: str, limits: SandboxLimits, stage: Path, cgroups) -> dict:
+    shown, interpreter, covered = visible_paths(python, limits)
+    memory_bytes = limits.memory_bytes
+    if cgroups is None:  # no cgroup to bound the sum: bound each of the processes by its share
+        share = limits.total_memory_bytes // limits.processes
+        if share < min(memory_bytes, MIN_PROCESS_MEMORY):
+            raise SandboxUnavailable(
+                f"this machine gives the sandbox no memory cgroup, so each process gets total_memory_bytes / "
+                f"processes = {share} bytes, less than Python needs ({MIN_PROCESS_MEMORY}); raise "
+                f"sandbox.total_memory_bytes or lower sandbox.processes")
+        memory_bytes = min(memory_bytes, share)
     return {
         "program": program,
         "python": python,
         "env": PROGRAM_ENV,
         "caller_pid": os.getpid(),
         "uid_base": limits.uid_base,
-        "hide_paths": list(limits.hide_paths),
-        "expose_paths": expose,
+        "new_root": str(stage),
+        "visible_paths": shown,
+        "interpreter_paths": interpreter,
+        "covered_paths": covered,
+        "cgroup_procs": cgroups.procs_files if cgroups is not None else [],
         "tmpfs_bytes": limits.disk_bytes,
         "max_files": limits.max_files,
         "nproc_baseline": 0 if os.geteuid() == 0 else _processes_of_this_user(),
         "limits": {
             "cpu_seconds": limits.cpu_seconds,
-            "memory_bytes": limits.memory_bytes,
+            "memory_bytes": memory_bytes,
             "processes": limits.processes,
             "file_size_bytes": limits.file_size_bytes,
             "open_files": limits.open_files,
