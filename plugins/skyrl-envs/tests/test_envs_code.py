@@ -56,7 +56,7 @@ def test_stop_at_first_failure_skips_the_rest():
 
 
 def test_multi_turn_shows_the_failing_test_and_grades_the_retry():
-    env = CodeEnv(max_turns=2, **FAST)
+    env = CodeEnv(max_turns=2, feedback="first_failure", **FAST)
     env.reset(SUM_ROW)
     first = env.step(answer("print(3)"))
     feedback = first.observation[0]["content"]
@@ -84,3 +84,28 @@ def test_bad_rows_and_options_are_refused():
     with pytest.raises(ValueError, match="wall_seconds must be a positive number"):
         CodeEnv(sandbox={"wall_seconds": 0})
     assert CodeEnv(sandbox=SandboxLimits(cpu_seconds=2)).options.sandbox.cpu_seconds == 2
+
+
+def test_default_feedback_does_not_leak_expected_outputs():
+    """A policy shown expected outputs learns to hard-code them: the default shows only a count."""
+    env = CodeEnv(max_turns=3, **FAST)
+    assert env.options.feedback == "pass_count"
+    env.reset(SUM_ROW)
+    first = env.step(answer("print(3)")).observation[0]["content"]
+    assert "1 of 4 tests passed" in first
+    assert "Expected" not in first and "10 -4" not in first and "\n6" not in first
+    silent = CodeEnv(max_turns=2, feedback="none", **FAST)
+    silent.reset(SUM_ROW)
+    text = silent.step(answer("print(3)")).observation[0]["content"]
+    assert "passed" not in text and "Expected" not in text and "failed" in text
+    with pytest.raises(ValueError, match="feedback must be one of"):
+        CodeEnv(feedback="expected_output")
+
+
+@pytest.mark.parametrize("program", ["print('\ud800')", "x = 1\n" + "#" * (2 * 1024 * 1024)])
+def test_a_program_the_sandbox_cannot_hold_fails_the_episode(program):
+    env = CodeEnv(sandbox={"wall_seconds": 1.0, "cpu_seconds": 1, "disk_bytes": 1024 * 1024})
+    env.reset(SUM_ROW)
+    result = env.step(answer(program))
+    assert (result.reward, result.done) == (0.0, True)
+    assert result.info["outcomes"][0] == "rejected" and result.info["rejected"]

@@ -54,3 +54,18 @@ def test_tool_errors_and_malformed_turns_are_observations(index_dir):
 def test_numeric_or_text_agreement():
     assert answers_agree("2954", ["2954"]) and answers_agree("2,954", ["2954"])
     assert answers_agree("Mars", ["mars"]) and not answers_agree("Venus", ["Mars"])
+
+
+def test_python_cannot_read_the_shipped_answer_key(index_dir):
+    key = SHIPPED_CORPUS.parent.parent / "multi_tool" / "questions.jsonl"
+    env = MultiToolEnv(index_dir=index_dir, **FAST)
+    env.reset(GOLD_TIMES_OXYGEN)
+    seen = env.step(f"<python>print(open({str(key.resolve())!r}).read())</python>").observation[0]["content"]
+    assert "632" not in seen and "No such file or directory" in seen
+
+
+def test_model_text_the_sandbox_cannot_hold_is_an_observation(index_dir):
+    env = MultiToolEnv(index_dir=index_dir, **FAST)
+    env.reset(GOLD_TIMES_OXYGEN)
+    seen = env.step("<python>print('\ud800')</python>")
+    assert not seen.done and seen.observation[0]["content"].startswith("Error: the program could not be run")

@@ -8,11 +8,15 @@ passes when the program exits 0 within its limits and its stdout equals the expe
 to trailing whitespace on each line and trailing blank lines. Reward: the fraction of tests
 passed (0.0 when there is no code block).
 
-Single turn by default. With ``max_turns > 1`` a program that fails a test is shown the first
-failing test and may try again; the last attempt's fraction is the reward.
+Single turn by default. With ``max_turns > 1`` a program that fails a test is told so and may try
+again; the last attempt's fraction is the reward. What it is told is the ``feedback`` option:
+``pass_count`` (default: how many tests passed), ``none`` (only that some failed) or
+``first_failure`` (the first failing test's input, expected output and the program's output; a
+policy shown expected outputs can learn to print them, so this leaks the hidden tests).
 
 The sandbox refuses to run where this machine cannot isolate the program (``SandboxUnavailable``
-is raised, never swallowed into a reward).
+is raised, never swallowed into a reward). A program the sandbox cannot hold (not valid UTF-8,
+larger than ``disk_bytes``) fails every test with the outcome ``rejected`` and the reason in info.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from skyrl_envs.sandbox.limits import SandboxLimits
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
 _FEEDBACK_CHARS = 300
+FEEDBACK_KINDS = ("none", "pass_count", "first_failure")
 
 
 def _limits(value: Any) -> SandboxLimits:
@@ -39,6 +44,11 @@ def _check_turns(instance: Any, attribute: attrs.Attribute, value: int) -> None:
         raise ValueError(f"code option max_turns must be an integer >= 1, got {value!r}")
 
 
+def _check_feedback(instance: Any, attribute: attrs.Attribute, value: str) -> None:
+    if value not in FEEDBACK_KINDS:
+        raise ValueError(f"code option feedback must be one of {', '.join(FEEDBACK_KINDS)}, got {value!r}")
+
+
 @attrs.frozen(kw_only=True)
 class CodeOptions:
     max_turns: int = attrs.field(default=1, validator=_check_turns,
@@ -47,6 +57,9 @@ class CodeOptions:
                                          metadata={"help": "limits of each test run (see SandboxLimits)"})
     stop_at_first_failure: bool = attrs.field(default=False,
                                               metadata={"help": "skip the remaining tests after a failure"})
+    feedback: str = attrs.field(default="pass_count", validator=_check_feedback,
+                                metadata={"help": "what a retry is told (max_turns > 1): none, pass_count, or "
+                                                  "first_failure (shows the expected output: leaks the tests)"})
 
 
 def extract_program(text: str) -> str | None:
@@ -99,6 +112,10 @@ class CodeEnv(EpisodeEnv):
         passed, outcomes, first_failure = 0, [], None
         for test in self._tests:
             result = run_python(program, test["input"], self.options.sandbox)
+            if result.rejected:  # the same program fails every test the same way
+                outcomes += ["rejected"] * (len(self._tests) - len(outcomes))
+                first_failure = first_failure or (test, result)
+                break
             ok = result.ok and outputs_match(result.stdout, test["output"])
             passed += ok
             outcomes.append(_outcome(result, ok))
@@ -108,9 +125,21 @@ class CodeEnv(EpisodeEnv):
                     break
         reward = passed / len(self._tests)
         info = {"passed": passed, "total": len(self._tests), "outcomes": outcomes}
+        if first_failure is not None and first_failure[1].rejected:
+            info["rejected"] = first_failure[1].rejected
         if first_failure is None or self.turn >= self.options.max_turns:
             return self.finish(reward, reason="graded", **info)
-        return self.observe(_feedback(*first_failure), reason="retry", **info)
+        return self.observe(self._feedback(passed, *first_failure), reason="retry", **info)
+
+    def _feedback(self, passed: int, test: dict[str, str], result: Any) -> str:
+        again = "Fix the program and answer with a new ```python block."
+        if result.rejected:
+            return f"Your program could not be run: {result.rejected}.\n{again}"
+        if self.options.feedback == "first_failure":
+            return _first_failure_feedback(test, result)
+        if self.options.feedback == "pass_count":
+            return f"Your program failed: {passed} of {len(self._tests)} tests passed.\n{again}"
+        return f"Your program failed at least one test.\n{again}"
 
 
 def _outcome(result: Any, ok: bool) -> str:
@@ -127,7 +156,7 @@ def _outcome(result: Any, ok: bool) -> str:
     return "wrong_output"
 
 
-def _feedback(test: dict[str, str], result: Any) -> str:
+def _first_failure_feedback(test: dict[str, str], result: Any) -> str:
     cut = _FEEDBACK_CHARS
     if result.timed_out:
         got = "(the program ran out of time)"

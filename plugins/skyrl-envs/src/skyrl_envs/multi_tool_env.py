@@ -2,7 +2,8 @@
 
 ``<search>query</search>`` shows the best passages of the local index (as in ``search``);
 ``<python>code</python>`` runs the code in the sandbox (as in ``code``; a fenced block inside
-the tags is unwrapped) and shows its stdout, or its error. ``<answer>text</answer>`` ends the
+the tags is unwrapped) and shows its stdout, or its error. The sandbox shows the program only the
+system libraries and the standard library, so it cannot read the shipped answer key. ``<answer>text</answer>`` ends the
 episode: reward 1.0 when the answer equals one of ``reward_spec.ground_truth`` (a string, a
 list, or ``{"target": ...}``): numerically when both are numbers (``632`` = ``632.0``),
 otherwise after SQuAD normalisation; else 0.0. After ``max_turns`` turns, reward 0.0.
@@ -92,6 +93,8 @@ class MultiToolEnv(SearchEnv):
 
         program = extract_program(code) or code
         result = run_python(program, "", self.options.sandbox)
+        if result.rejected:
+            return f"Error: the program could not be run: {result.rejected}."
         if result.timed_out:
             return "Error: the program ran out of time."
         output = result.stdout[:_OBSERVATION_CHARS]
