@@ -114,6 +114,42 @@ def config_show(config_path: str, overrides: tuple[str, ...], as_json: bool, ski
         click.echo(yaml.safe_dump(data, sort_keys=False), nl=False)
 
 
+@config.command("import-upstream")
+@click.argument("upstream_path", metavar="FILE.yaml")
+@click.option("--output", "-o", default=None, metavar="OUT",
+              help="Write the translated config to OUT (default: standard output).")
+def config_import_upstream(upstream_path: str, output: str | None) -> None:
+    """Translate an upstream SkyRL (skyrl-train) YAML config into this project's config. Every upstream
+    key without an equivalent here is named on stderr and in comments at the top of the output. Exit 0 when
+    the translation validates, 2 when FILE.yaml cannot be read or the translation does not validate."""
+    from skyrl_core.config.errors import ConfigError
+    from skyrl_core.config.loader import load_yaml, structure_config
+    from skyrl_core.config.upstream import UpstreamConfigError, render, translate_upstream
+
+    try:
+        translated, notes = translate_upstream(load_yaml(upstream_path))
+    except ConfigError as exc:
+        click.echo(exc.render(), err=True)
+        sys.exit(EXIT_CONFIG_ERROR)
+    except UpstreamConfigError as exc:
+        click.echo(f"cannot import {upstream_path}: {exc}", err=True)
+        sys.exit(EXIT_CONFIG_ERROR)
+    text = render(translated, notes, upstream_path)
+    if output:
+        with open(output, "w", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        click.echo(text, nl=False)
+    for note in notes:
+        click.echo(f"not carried over: {note}", err=True)
+    try:
+        structure_config(translated)
+    except ConfigError as exc:
+        exc.source = output or "the translated config"
+        click.echo(exc.render(), err=True)
+        sys.exit(EXIT_CONFIG_ERROR)
+
+
 @cli.command()
 @click.argument("config_path", metavar="CONFIG")
 @click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
