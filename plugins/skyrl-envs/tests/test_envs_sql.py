@@ -1,6 +1,7 @@
 import hashlib
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 
@@ -159,3 +160,116 @@ def test_databases_are_found_by_db_id_or_path(db_dir, tmp_path_factory):
         SQLEnv(db_dir=str(spider)).reset({**LISBON, "db_id": "nope"})
     with pytest.raises(ValueError, match="gold query of this row fails"):
         SQLEnv().reset({**LISBON, "reward_spec": {"ground_truth": "SELECT * FROM nowhere"}})
+
+
+# --- hostile queries: dangerous functions and pragmas, huge results (issue 17) ------------------
+
+FTS3_CRASH = """
+import sqlite3, sys
+from skyrl_envs.sql_env import open_read_only, run_query, QueryError
+connection = open_read_only(sys.argv[1])
+for sql in ("SELECT fts3_tokenizer('simple')",
+            "SELECT fts3_tokenizer('simple', x'4141414141414141')",
+            "SELECT * FROM docs WHERE docs MATCH 'x'"):
+    try:
+        print("ran", run_query(connection, sql, timeout_seconds=1, max_rows=5)[1])
+    except QueryError as error:
+        print("refused", error)
+print("survived")
+"""
+
+
+def test_fts3_tokenizer_is_refused_and_the_process_survives(tmp_path):
+    import sqlite3
+    import subprocess
+    import sys
+
+    database = tmp_path / "fts.sqlite"
+    connection = sqlite3.connect(database)
+    connection.execute("CREATE VIRTUAL TABLE docs USING fts3(body)")
+    connection.execute("INSERT INTO docs VALUES ('x y z')")
+    connection.commit()
+    connection.close()
+    completed = subprocess.run([sys.executable, "-c", FTS3_CRASH, str(database)], capture_output=True, text=True,
+                               timeout=60)
+    assert completed.returncode == 0, (completed.returncode, completed.stdout, completed.stderr[-500:])
+    lines = completed.stdout.splitlines()
+    assert lines[0] == "refused not authorized: fts3_tokenizer is not an allowed function", lines
+    assert lines[1].startswith("refused") and lines[-1] == "survived"
+
+
+DANGEROUS = [
+    "SELECT fts3_tokenizer('simple')",
+    "SELECT load_extension('/tmp/evil.so')",
+    "SELECT readfile('/etc/passwd')",
+    "SELECT writefile('/tmp/pwned', 'x')",
+    "SELECT zeroblob(1000000)",
+    "SELECT randomblob(1000000)",
+    "SELECT sqlite_compileoption_get(0)",
+    "PRAGMA writable_schema = ON",
+    "PRAGMA writable_schema",
+    "PRAGMA hard_heap_limit = 0",
+    "PRAGMA temp_store = FILE",
+    "PRAGMA cache_size = -2000000",
+    "PRAGMA mmap_size = 1000000000",
+    "PRAGMA database_list",
+    "SELECT * FROM pragma_database_list",
+    "SELECT * FROM pragma_function_list",
+    "PRAGMA trusted_schema = ON",
+    "ATTACH DATABASE ':memory:' AS other",
+    "ATTACH DATABASE '/etc/passwd' AS other",
+    "SELECT * FROM sqlite_dbpage",
+]
+
+
+@pytest.mark.parametrize("statement", DANGEROUS)
+def test_functions_and_pragmas_outside_the_allowlist_are_refused(db_dir, statement):
+    env = make_env(db_dir, max_turns=2)
+    env.reset(LISBON)
+    seen = env.step(f"<sql>{statement}</sql>").observation[0]["content"]
+    assert seen.startswith("Error:"), seen
+
+
+def test_allowed_functions_still_work(db_dir):
+    env = make_env(db_dir, max_turns=2)
+    env.reset(LISBON)
+    seen = env.step("<sql>SELECT upper(name), length(name), round(avg(price), 1), strftime('%Y', '2024-05-01'), "
+                    "coalesce(NULL, 2), printf('%03d', 7), json_extract('{\"a\": 5}', '$.a'), abs(-3), "
+                    "typeof(price), sqrt(16) FROM products WHERE id = 1</sql>").observation[0]["content"]
+    assert not seen.startswith("Error:"), seen
+    assert " | 2024 | 2 | 007 | 5 | 3 | " in seen and seen.rstrip().endswith("(1 rows)")
+
+
+def _peak_rss_growth(action):
+    """Peak resident memory of this process during ``action`` minus before (Linux: clear_refs resets the peak)."""
+    import psutil
+
+    Path("/proc/self/clear_refs").write_text("5")
+    before = psutil.Process().memory_info().rss
+    started = time.monotonic()
+    value = action()
+    elapsed = time.monotonic() - started
+    peak_kib = int(next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("VmHWM")).split()[1])
+    return value, peak_kib * 1024 - before, elapsed
+
+
+WIDE = ", ".join(f"printf('%.*c', 90000, 'x') AS c{i}" for i in range(60))  # each value under the value limit
+WIDE_ATTACKS = [
+    f"WITH RECURSIVE r(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM r LIMIT 30) SELECT {WIDE} FROM r",
+    "WITH RECURSIVE r(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM r LIMIT 30) SELECT "
+    + ", ".join(f"zeroblob(900000) AS z{i}" for i in range(60)) + " FROM r",
+    f"WITH RECURSIVE r(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM r LIMIT 2000) SELECT {WIDE} FROM r ORDER BY i DESC",
+]
+
+
+@pytest.mark.parametrize("query", WIDE_ATTACKS)
+def test_wide_results_are_bounded_in_time_and_memory(db_dir, query):
+    env = make_env(db_dir, max_turns=3)
+    env.reset(LISBON)
+    seen, growth, elapsed = _peak_rss_growth(lambda: env.step(f"<sql>{query}</sql>").observation[0]["content"])
+    assert elapsed < 2.0 and growth < 200 * 1024 * 1024, (elapsed, growth / 2**20)
+    assert seen.startswith("Error:") or "result cut" in seen, seen[:300]
+    assert len(seen) <= env.options.max_observation_chars + 100
+    solved, growth, elapsed = _peak_rss_growth(lambda: env.step(f"<solution>{query}</solution>"))
+    assert elapsed < 2.0 and growth < 200 * 1024 * 1024, (elapsed, growth / 2**20)
+    assert (solved.done, solved.reward) == (True, 0.0) and solved.info["reason"] in ("solution_error", "solution_too_large")

@@ -11,8 +11,12 @@ query's result equals the gold query's result as a multiset of rows (in order wh
 with neither tag gets a reminder. After ``max_turns`` turns without a solution, reward 0.0.
 
 The database is opened read-only three ways (``mode=ro`` URI, ``PRAGMA query_only``, and an
-authorizer that allows only reading), so no query can change it; each statement runs under a
-time limit (a progress handler interrupts it) and results are cut to a row limit.
+authorizer that allows only reading, and only the functions and pragmas of ``sql_allowlist``), so
+no query can change it. Each statement runs under a time limit, while SQLite computes and while
+rows are fetched; results are bounded before anything is formatted: at most 256 columns,
+``MAX_VALUE_BYTES`` per value, ``max_result_rows`` rows and ``max_result_bytes`` bytes. Sorts and
+temporary tables stay in memory (``temp_store = MEMORY``, no temporary files), under SQLite's hard
+heap limit ``sqlite_heap_bytes`` (process-wide: it is only ever lowered).
 """
 
 from __future__ import annotations
@@ -28,12 +32,12 @@ import attrs
 from skyrl_core.tools import Tool, ToolBox, find_tag_calls
 from skyrl_core.types import Message, StepResult
 from skyrl_envs.base import EpisodeEnv, ground_truth, prompt_messages
+from skyrl_envs.sql_allowlist import ReadOnlyAuthorizer
 
 SHIPPED_DB_DIR = Path(__file__).with_name("data") / "sql"
-READABLE_PRAGMAS = {"table_info", "table_xinfo", "index_list", "index_info", "foreign_key_list"}
-_ALLOWED_ACTIONS = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION,
-                    getattr(sqlite3, "SQLITE_RECURSIVE", 33)}
-_MAX_VALUE_BYTES = 1_000_000  # longest string or blob a query may build (SQLITE_LIMIT_LENGTH)
+MAX_VALUE_BYTES = 100_000  # longest string, blob or sort record a query may build (SQLITE_LIMIT_LENGTH)
+MAX_COLUMNS = 256  # widest result (SQLITE_LIMIT_COLUMN)
+_SHOWN_VALUE_CHARS = 200  # each value is cut to this before formatting
 
 
 class QueryError(Exception):
@@ -54,55 +58,85 @@ class SQLOptions:
     max_rows_shown: int = attrs.field(default=20, validator=_positive, metadata={"help": "rows shown per <sql> result"})
     max_result_rows: int = attrs.field(default=10_000, validator=_positive,
                                        metadata={"help": "largest result a <solution> or gold query may have"})
+    max_result_bytes: int = attrs.field(default=4_000_000, validator=_positive,
+                                        metadata={"help": "largest result (bytes of its values) fetched from any query"})
     max_observation_chars: int = attrs.field(default=3000, validator=_positive,
                                              metadata={"help": "observations are cut to this length"})
+    sqlite_heap_bytes: int = attrs.field(default=512 * 1024 * 1024, validator=_positive,
+                                         metadata={"help": "SQLite's hard heap limit (process-wide, only lowered)"})
     order_matters: bool = attrs.field(default=False, metadata={"help": "compare results as ordered lists"})
 
 
-def _authorize(action: int, arg1: str | None, arg2: str | None, db_name: str | None, trigger: str | None) -> int:
-    if action in _ALLOWED_ACTIONS:
-        return sqlite3.SQLITE_OK
-    if action == sqlite3.SQLITE_PRAGMA and arg1 and arg1.lower() in READABLE_PRAGMAS:
-        return sqlite3.SQLITE_OK
-    return sqlite3.SQLITE_DENY
+class ReadOnlyConnection(sqlite3.Connection):
+    """A connection that remembers its authorizer, so a refusal's error can say what was refused."""
+
+    authorizer: ReadOnlyAuthorizer
 
 
-def open_read_only(path: str | Path) -> sqlite3.Connection:
+def open_read_only(path: str | Path, *, heap_bytes: int = 512 * 1024 * 1024) -> ReadOnlyConnection:
     """A connection that can only read ``path``: ``mode=ro``, ``query_only``, a read-only authorizer."""
     path = Path(path).resolve()
     if not path.is_file():
         raise FileNotFoundError(f"no SQLite database at {path}")
-    connection = sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True, isolation_level=None, check_same_thread=False)
+    connection = sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True, isolation_level=None, check_same_thread=False,
+                                 factory=ReadOnlyConnection)
     connection.execute("PRAGMA query_only = ON")
-    if hasattr(connection, "setlimit"):  # Python 3.11+
-        connection.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, _MAX_VALUE_BYTES)
-        connection.setlimit(sqlite3.SQLITE_LIMIT_ATTACHED, 0)
-    connection.set_authorizer(_authorize)
+    connection.execute("PRAGMA temp_store = MEMORY")  # no temporary files: sorts spill into the bounded heap
+    current = connection.execute("PRAGMA hard_heap_limit").fetchone()[0]
+    if current == 0 or current > heap_bytes:
+        connection.execute(f"PRAGMA hard_heap_limit = {int(heap_bytes)}")
+    connection.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, MAX_VALUE_BYTES)
+    connection.setlimit(sqlite3.SQLITE_LIMIT_COLUMN, MAX_COLUMNS)
+    connection.setlimit(sqlite3.SQLITE_LIMIT_ATTACHED, 0)
+    connection.authorizer = ReadOnlyAuthorizer()
+    connection.set_authorizer(connection.authorizer)
     return connection
 
 
-def run_query(connection: sqlite3.Connection, sql: str, *, timeout_seconds: float,
-              max_rows: int) -> tuple[list[str], list[tuple], bool]:
-    """``(column names, rows, truncated)`` of one statement, at most ``max_rows`` rows.
+def _value_bytes(value: Any) -> int:
+    return len(value) if isinstance(value, (str, bytes)) else 8
 
-    Raises ``QueryError`` for bad SQL, refused actions, several statements, or the time limit.
+
+def run_query(connection: sqlite3.Connection, sql: str, *, timeout_seconds: float, max_rows: int,
+              max_bytes: int = 4_000_000) -> tuple[list[str], list[tuple], str]:
+    """``(column names, rows, cut)`` of one statement: at most ``max_rows`` rows and ``max_bytes``
+    bytes of values; ``cut`` is ``"rows"`` or ``"bytes"`` when more were left out, else ``""``.
+
+    Raises ``QueryError`` for bad SQL, refused actions, several statements, or the time limit
+    (checked while SQLite works and between fetched rows).
     """
     deadline = time.monotonic() + timeout_seconds
     connection.set_progress_handler(lambda: int(time.monotonic() > deadline), 1000)
+    authorizer = getattr(connection, "authorizer", None)
+    if authorizer is not None:
+        authorizer.refusal = ""
+    rows, size, cut = [], 0, ""
     try:
         cursor = connection.execute(sql)
-        rows = cursor.fetchmany(max_rows + 1)
         columns = [d[0] for d in cursor.description or ()]
+        while True:
+            if time.monotonic() > deadline:
+                raise sqlite3.OperationalError("interrupted")
+            row = cursor.fetchone()
+            if row is None:
+                break
+            size += sum(_value_bytes(v) for v in row)
+            if len(rows) == max_rows or size > max_bytes:
+                cut = "rows" if len(rows) == max_rows else "bytes"
+                break
+            rows.append(row)
         cursor.close()
     except sqlite3.OperationalError as error:
         if str(error) == "interrupted":
             raise QueryError(f"the query ran longer than {timeout_seconds:g} s and was stopped") from None
+        if str(error).startswith("not authorized") and authorizer is not None and authorizer.refusal:
+            raise QueryError(f"not authorized: {authorizer.refusal}") from None
         raise QueryError(str(error)) from None
-    except (sqlite3.Error, sqlite3.Warning, ValueError, OverflowError) as error:
-        raise QueryError(str(error)) from None
+    except (sqlite3.Error, sqlite3.Warning, ValueError, OverflowError, MemoryError) as error:
+        raise QueryError(str(error) or type(error).__name__) from None
     finally:
         connection.set_progress_handler(None, 1000)
-    return columns, rows[:max_rows], len(rows) > max_rows
+    return columns, rows, cut
 
 
 def _comparable(value: Any) -> Any:
@@ -119,11 +153,28 @@ def results_equal(predicted: list[tuple], gold: list[tuple], *, order_matters: b
     return left == right if order_matters else Counter(left) == Counter(right)
 
 
-def format_result(columns: list[str], rows: list[tuple], truncated: bool, limit_chars: int) -> str:
-    lines = [" | ".join(columns)] + [" | ".join("NULL" if v is None else str(v) for v in row) for row in rows]
-    note = f"({len(rows)} rows{', more not shown' if truncated else ''})"
-    text = "\n".join(lines + [note])
-    return text if len(text) <= limit_chars else text[:limit_chars] + "\n...(cut)"
+def _shown(value: Any) -> str:
+    """One value as text, cut before it is converted (a blob's text form is 4x its size)."""
+    if value is None:
+        return "NULL"
+    if isinstance(value, bytes):
+        head = value[: _SHOWN_VALUE_CHARS // 2].hex()
+        return f"x'{head}'" + (f"...({len(value)} bytes)" if len(value) > _SHOWN_VALUE_CHARS // 2 else "")
+    text = value if isinstance(value, str) else str(value)
+    return text if len(text) <= _SHOWN_VALUE_CHARS else text[:_SHOWN_VALUE_CHARS] + f"...({len(text)} chars)"
+
+
+def format_result(columns: list[str], rows: list[tuple], cut: str | bool, limit_chars: int,
+                  max_bytes: int = 0) -> str:
+    lines = [" | ".join(columns)] + [" | ".join(_shown(v) for v in row) for row in rows]
+    if cut == "bytes":
+        note = f"({len(rows)} rows, result cut at {max_bytes} bytes)"
+    else:
+        note = f"({len(rows)} rows{', more not shown' if cut else ''})"
+    text = "\n".join(lines)
+    if len(text) > limit_chars:
+        text = text[:limit_chars] + "\n...(cut)"
+    return text + "\n" + note
 
 
 class SQLEnv(EpisodeEnv):
@@ -153,17 +204,19 @@ class SQLEnv(EpisodeEnv):
     def start(self, sample: dict[str, Any]) -> list[Message]:
         gold_sql = str(ground_truth(sample, self.name))
         messages = prompt_messages(sample, self.name)
-        self._connection = open_read_only(self.database_path(sample))
+        self._connection = open_read_only(self.database_path(sample), heap_bytes=self.options.sqlite_heap_bytes)
         try:
             # The gold query is trusted but may be heavier than the model's: it gets 5x the time.
             _, self._gold_rows, too_many = run_query(self._connection, gold_sql, max_rows=self.options.max_result_rows,
+                                                     max_bytes=self.options.max_result_bytes,
                                                      timeout_seconds=self.options.timeout_seconds * 5)
         except QueryError as error:
             self.close()
             raise ValueError(f"sql: the gold query of this row fails: {error}: {gold_sql!r}") from None
         if too_many:
             self.close()
-            raise ValueError(f"sql: the gold query returns more than {self.options.max_result_rows} rows: {gold_sql!r}")
+            raise ValueError(f"sql: the gold query returns more than {self.options.max_result_rows} rows or "
+                             f"{self.options.max_result_bytes} bytes: {gold_sql!r}")
         return messages
 
     def judge(self, action_text: str) -> StepResult:
@@ -185,16 +238,18 @@ class SQLEnv(EpisodeEnv):
 
     def _explore(self, sql: str) -> str:
         try:
-            columns, rows, truncated = run_query(self._connection, sql, timeout_seconds=self.options.timeout_seconds,
-                                                 max_rows=self.options.max_rows_shown)
+            columns, rows, cut = run_query(self._connection, sql, timeout_seconds=self.options.timeout_seconds,
+                                           max_rows=self.options.max_rows_shown,
+                                           max_bytes=min(self.options.max_result_bytes, self.options.max_observation_chars * 4))
         except QueryError as error:
             return f"Error: {error}"
-        return format_result(columns, rows, truncated, self.options.max_observation_chars)
+        return format_result(columns, rows, cut, self.options.max_observation_chars,
+                             max_bytes=min(self.options.max_result_bytes, self.options.max_observation_chars * 4))
 
     def _grade(self, sql: str) -> StepResult:
         try:
             _, rows, too_many = run_query(self._connection, sql, timeout_seconds=self.options.timeout_seconds,
-                                          max_rows=self.options.max_result_rows)
+                                          max_rows=self.options.max_result_rows, max_bytes=self.options.max_result_bytes)
         except QueryError as error:
             return self.finish(0.0, reason="solution_error", error=str(error))
         if too_many:
