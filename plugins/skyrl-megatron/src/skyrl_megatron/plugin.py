@@ -13,6 +13,7 @@ def skyrl_register_training_backends(register) -> None:
             name="megatron",
             factory="skyrl_megatron.backend:MegatronBackend",
             options="skyrl_megatron.options:MegatronOptions",
+            preflight="skyrl_megatron.preflight:problems",
             description="Megatron-core GPT with tensor and data parallelism (gloo on CPU, nccl + Transformer Engine on GPU)",
         )
     )

@@ -13,6 +13,7 @@ def skyrl_register_inference_engines(register) -> None:
             name="sglang",
             factory="skyrl_sglang.engine:SGLangEngine",
             options="skyrl_sglang.options:SGLangOptions",
+            preflight="skyrl_sglang.preflight:problems",
             description="SGLang's offline engine (CUDA GPUs only); in-place weight updates, memory release",
         )
     )

