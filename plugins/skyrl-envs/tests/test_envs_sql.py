@@ -273,3 +273,20 @@ def test_wide_results_are_bounded_in_time_and_memory(db_dir, query):
     solved, growth, elapsed = _peak_rss_growth(lambda: env.step(f"<solution>{query}</solution>"))
     assert elapsed < 2.0 and growth < 200 * 1024 * 1024, (elapsed, growth / 2**20)
     assert (solved.done, solved.reward) == (True, 0.0) and solved.info["reason"] in ("solution_error", "solution_too_large")
+
+
+def test_sorting_more_than_the_heap_limit_fails_fast_in_memory(db_dir):
+    """ORDER BY over ~9 GB of rows: no temporary file is written (temp_store=MEMORY), and memory stops
+    at the heap limit (or time at the time limit)."""
+    import psutil
+
+    env = make_env(db_dir, max_turns=2)
+    env.reset(LISBON)
+    query = ("WITH RECURSIVE r(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM r LIMIT 100000) "
+             "SELECT printf('%.*c', 90000, 'x') || i AS v FROM r ORDER BY v")
+    written = psutil.Process().io_counters().write_chars
+    seen, growth, elapsed = _peak_rss_growth(lambda: env.step(f"<sql>{query}</sql>").observation[0]["content"])
+    written = psutil.Process().io_counters().write_chars - written
+    assert seen.startswith("Error: the query"), seen[:200]  # out of memory or out of time, never finished
+    assert written < 1024 * 1024, written  # the sort spilled nothing to temporary files
+    assert elapsed < 2.5 and growth < env.options.sqlite_heap_bytes + 64 * 1024 * 1024, (elapsed, growth / 2**20)

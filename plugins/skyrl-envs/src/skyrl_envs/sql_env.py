@@ -62,7 +62,7 @@ class SQLOptions:
                                         metadata={"help": "largest result (bytes of its values) fetched from any query"})
     max_observation_chars: int = attrs.field(default=3000, validator=_positive,
                                              metadata={"help": "observations are cut to this length"})
-    sqlite_heap_bytes: int = attrs.field(default=512 * 1024 * 1024, validator=_positive,
+    sqlite_heap_bytes: int = attrs.field(default=256 * 1024 * 1024, validator=_positive,
                                          metadata={"help": "SQLite's hard heap limit (process-wide, only lowered)"})
     order_matters: bool = attrs.field(default=False, metadata={"help": "compare results as ordered lists"})
 
@@ -73,7 +73,7 @@ class ReadOnlyConnection(sqlite3.Connection):
     authorizer: ReadOnlyAuthorizer
 
 
-def open_read_only(path: str | Path, *, heap_bytes: int = 512 * 1024 * 1024) -> ReadOnlyConnection:
+def open_read_only(path: str | Path, *, heap_bytes: int = 256 * 1024 * 1024) -> ReadOnlyConnection:
     """A connection that can only read ``path``: ``mode=ro``, ``query_only``, a read-only authorizer."""
     path = Path(path).resolve()
     if not path.is_file():
@@ -121,7 +121,7 @@ def run_query(connection: sqlite3.Connection, sql: str, *, timeout_seconds: floa
             if row is None:
                 break
             size += sum(_value_bytes(v) for v in row)
-            if len(rows) == max_rows or size > max_bytes:
+            if len(rows) == max_rows or (size > max_bytes and rows):  # the first row is bounded by the limits
                 cut = "rows" if len(rows) == max_rows else "bytes"
                 break
             rows.append(row)
@@ -132,8 +132,10 @@ def run_query(connection: sqlite3.Connection, sql: str, *, timeout_seconds: floa
         if str(error).startswith("not authorized") and authorizer is not None and authorizer.refusal:
             raise QueryError(f"not authorized: {authorizer.refusal}") from None
         raise QueryError(str(error)) from None
-    except (sqlite3.Error, sqlite3.Warning, ValueError, OverflowError, MemoryError) as error:
-        raise QueryError(str(error) or type(error).__name__) from None
+    except MemoryError:  # SQLITE_NOMEM: the hard heap limit
+        raise QueryError("the query needed more memory than allowed and was stopped") from None
+    except (sqlite3.Error, sqlite3.Warning, ValueError, OverflowError) as error:
+        raise QueryError(str(error)) from None
     finally:
         connection.set_progress_handler(None, 1000)
     return columns, rows, cut
@@ -239,12 +241,10 @@ class SQLEnv(EpisodeEnv):
     def _explore(self, sql: str) -> str:
         try:
             columns, rows, cut = run_query(self._connection, sql, timeout_seconds=self.options.timeout_seconds,
-                                           max_rows=self.options.max_rows_shown,
-                                           max_bytes=min(self.options.max_result_bytes, self.options.max_observation_chars * 4))
+                                           max_rows=self.options.max_rows_shown, max_bytes=self.options.max_result_bytes)
         except QueryError as error:
             return f"Error: {error}"
-        return format_result(columns, rows, cut, self.options.max_observation_chars,
-                             max_bytes=min(self.options.max_result_bytes, self.options.max_observation_chars * 4))
+        return format_result(columns, rows, cut, self.options.max_observation_chars, self.options.max_result_bytes)
 
     def _grade(self, sql: str) -> StepResult:
         try:
