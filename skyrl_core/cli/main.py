@@ -172,6 +172,28 @@ def train(config_path: str, overrides: tuple[str, ...]) -> None:
         sys.exit(1)
 
 
+@cli.command("eval")
+@click.argument("config_path", metavar="CONFIG")
+@click.argument("overrides", nargs=-1, metavar="[checkpoint=DIR] [KEY=VALUE]...")
+@click.option("--output", "-o", default=None, metavar="FILE",
+              help="Where the JSON results go (default: <trainer.output_dir>/eval_<checkpoint or model>.json).")
+def eval_command(config_path: str, overrides: tuple[str, ...], output: str | None) -> None:
+    """Evaluate only: accuracy, pass@n and mean reward on data.eval, for the model of CONFIG or a
+    training checkpoint (checkpoint=DIR: a checkpoint or a run directory, whose latest is taken)."""
+    checkpoints = [o.partition("=")[2] for o in overrides if o.startswith("checkpoint=")]
+    cfg = load_config_or_exit(config_path, [o for o in overrides if not o.startswith("checkpoint=")])
+    from skyrl_core.config.errors import ConfigError
+    from skyrl_core.trainer.evaluation_run import run_evaluation
+
+    try:
+        report = run_evaluation(cfg, checkpoint=checkpoints[-1] if checkpoints else None, output=output)
+    except ConfigError as exc:
+        exc.source = config_path
+        click.echo(exc.render(), err=True)
+        sys.exit(EXIT_CONFIG_ERROR)
+    click.echo(report.summary())
+
+
 def _with_shorthands(overrides: tuple[str, ...]) -> list[str]:
     """`resume=DIR` is shorthand for `trainer.resume=DIR` (in `train` and `config show` alike)."""
     return [f"trainer.{o}" if o.startswith("resume=") else o for o in overrides]
