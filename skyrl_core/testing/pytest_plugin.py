@@ -1,13 +1,23 @@
-"""pytest fixtures every skyrl package can use (registered through the ``pytest11`` entry point)."""
+"""pytest fixtures every skyrl package can use (registered through the ``pytest11`` entry point).
+
+Installing skyrl-core must not change anyone else's test runs, so this plugin only *offers*
+fixtures (``fresh_plugin_manager``, ``builtin_plugin_manager``). The test environment of skyrl's
+own suites (offline Hugging Face, Ray without auth, isolated vLLM cache, ``gpu`` tests skipped
+without CUDA) applies only to a project that opts in from its pytest config::
+
+    [tool.pytest.ini_options]
+    skyrl_test_environment = true
+"""
 
 from __future__ import annotations
 
-import os
 from typing import Iterator
 
 import pytest
 
 from skyrl_core.plugins.manager import SkyrlPluginManager, new_plugin_manager, set_plugin_manager
+
+OPT_IN = "skyrl_test_environment"
 
 
 @pytest.fixture
@@ -33,32 +43,12 @@ def builtin_plugin_manager() -> Iterator[SkyrlPluginManager]:
         set_plugin_manager(previous)
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _skyrl_test_environment(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Offline, quiet, isolated caches for every test session."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("VLLM_CACHE_ROOT", str(tmp_path_factory.mktemp("vllm-cache")))
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addini(OPT_IN, type="bool", default=False,
+                  help="skyrl: offline, quiet test environment and `gpu` tests skipped without CUDA")
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    gpu_items = [item for item in items if "gpu" in item.keywords]
-    if not gpu_items:
-        return
-    try:
-        import torch
-
-        has_cuda = torch.cuda.is_available()
-    except Exception:
-        has_cuda = False
-    if has_cuda:
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (marked gpu); run scripts/gpu_check.sh on a GPU machine")
-    for item in gpu_items:
-        item.add_marker(skip)
+    if config.getini(OPT_IN):
+        config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
+        config.pluginmanager.import_plugin("skyrl_core.testing.suite_environment")
