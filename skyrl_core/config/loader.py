@@ -412,10 +412,17 @@ def _default_selection(dotted: str) -> Selection:
 
 
 def load_config(path: str | None, overrides: list[str] | None = None, *, plugin_manager: Any = None) -> Config:
-    """The validated config from a YAML file (or nothing) plus dotted overrides."""
+    """The validated config from a YAML file (or nothing) plus dotted overrides. Relative paths
+    are made absolute: the file's against its directory, the overrides' against the current one
+    (see ``skyrl_core.config.paths``)."""
+    from skyrl_core.config.paths import resolve_paths
+
     data = load_yaml(path) if path else {}
     data = apply_overrides(data, overrides or [])
-    return structure_config(data, plugin_manager=plugin_manager, source=path)
+    cfg = structure_config(data, plugin_manager=plugin_manager, source=path)
+    config_dir = os.path.dirname(os.path.abspath(path)) if path else os.getcwd()
+    typed = [".".join(parse_override(text)[0]) for text in overrides or []]
+    return resolve_paths(cfg, config_dir=config_dir, overridden=typed)
 
 
 def structure_options(spec: Any, options: Mapping[str, Any], path: str) -> Any:

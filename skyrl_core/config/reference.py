@@ -24,6 +24,9 @@ def _default(field: attrs.Attribute) -> str:
     return "required" if default is attrs.NOTHING else f"`{default!r}`"
 
 
+_PATH_NOTE = {"input": " (path; relative: to the config file)", "output": " (path; relative: to the current directory)"}
+
+
 def config_reference() -> str:
     """Markdown tables: one per section, one row per key (dotted path, type, default, help)."""
     lines: list[str] = []
@@ -39,7 +42,8 @@ def config_reference() -> str:
                 nested.append((field.type, f"{path}."))
                 continue
             kind = "`{name, options}`" if field.type is Selection else f"`{_type_name(field.type)}`".replace("|", "\\|")
-            rows.append(f"| `{path}` | {kind} | {_default(field)} | {field.metadata.get('help', '')} |")
+            meaning = field.metadata.get("help", "") + _PATH_NOTE.get(field.metadata.get("path"), "")
+            rows.append(f"| `{path}` | {kind} | {_default(field)} | {meaning} |")
         if rows:
             lines.extend([f"### `{prefix.rstrip('.') or '(top level)'}`", "", "| key | type | default | meaning |",
                           "|---|---|---|---|", *rows, ""])

@@ -48,11 +48,11 @@ class Selection:
 class ModelConfig:
     """Where the policy comes from: a local directory, or a Hugging Face config to build randomly."""
 
-    path: str | None = attrs.field(default=None, metadata=_help("local Hugging Face model directory"))
+    path: str | None = attrs.field(default=None, metadata=_help("local Hugging Face model directory", path="input"))
     config: dict[str, Any] | None = attrs.field(
         default=None, metadata=_help("a transformers config dict (with model_type) to build a random model")
     )
-    tokenizer: str | None = attrs.field(default=None, metadata=_help("tokenizer directory (default: path)"))
+    tokenizer: str | None = attrs.field(default=None, metadata=_help("tokenizer directory (default: path)", path="input"))
     dtype: str = attrs.field(
         default="float32", validator=_one_of("float32", "bfloat16"), metadata=_help("parameter dtype")
     )
@@ -206,11 +206,15 @@ class AlgorithmConfig:
 
 @attrs.frozen(kw_only=True)
 class DataConfig:
-    train: str | None = attrs.field(default=None, metadata=_help("train dataset: JSONL or parquet path"))
-    eval: str | None = attrs.field(default=None, metadata=_help("eval dataset: JSONL or parquet path"))
+    train: str | None = attrs.field(default=None, metadata=_help("train dataset: JSONL or parquet path", path="input"))
+    eval: str | None = attrs.field(default=None, metadata=_help("eval dataset: JSONL or parquet path", path="input"))
     prompts_per_step: int = attrs.field(default=8, validator=_positive, metadata=_help("prompts per training step"))
     eval_size: int | None = attrs.field(default=None, metadata=_help("use the first N eval rows"))
     shuffle: bool = attrs.field(default=True, metadata=_help("shuffle train data each epoch"))
+    env_class_from_rows: bool = attrs.field(
+        default=False,
+        metadata=_help("each row's env_class picks its environment (false: a row naming another than environment.name is an error)"),
+    )
 
 
 @attrs.frozen(kw_only=True)
@@ -241,9 +245,9 @@ class TrainerConfig:
     ppo_epochs: int = attrs.field(default=1, validator=_positive, metadata=_help("passes over each rollout batch"))
     eval_every: int = attrs.field(default=0, validator=_non_negative, metadata=_help("eval every k steps (0: start and end only)"))
     checkpoint_every: int = attrs.field(default=0, validator=_non_negative, metadata=_help("checkpoint every k steps (0: end only)"))
-    output_dir: str = attrs.field(default="runs/default", metadata=_help("where metrics, plots and checkpoints go"))
+    output_dir: str = attrs.field(default="runs/default", metadata=_help("where metrics, plots and checkpoints go", path="output"))
     seed: int = attrs.field(default=0, metadata=_help("global seed"))
-    resume: str | None = attrs.field(default=None, metadata=_help("checkpoint directory to resume from"))
+    resume: str | None = attrs.field(default=None, metadata=_help("checkpoint directory to resume from", path="output"))
     overwrite: bool = attrs.field(
         default=False,
         metadata=_help("start in a non-empty output_dir anyway, deleting the run files there (config.yaml, "
@@ -279,7 +283,7 @@ class Config:
     model: ModelConfig = attrs.field(metadata=_help("the policy model"))
     engine: Selection = attrs.field(factory=lambda: Selection(name="torch"), metadata=_help("inference engine"))
     backend: Selection = attrs.field(factory=lambda: Selection(name="fsdp"), metadata=_help("training backend"))
-    environment: Selection = attrs.field(factory=lambda: Selection(name="arithmetic"), metadata=_help("default environment"))
+    environment: Selection = attrs.field(factory=lambda: Selection(name="arithmetic"), metadata=_help("the environment of every row (see data.env_class_from_rows)"))
     algorithm: AlgorithmConfig = attrs.field(factory=AlgorithmConfig, metadata=_help("RL algorithm"))
     generation: GenerationConfig = attrs.field(factory=GenerationConfig, metadata=_help("sampling"))
     rollout: RolloutConfig = attrs.field(factory=RolloutConfig, metadata=_help("rollouts"))

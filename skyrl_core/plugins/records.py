@@ -98,10 +98,20 @@ class AdvantageEstimatorSpec(ComponentSpec):
 
 @attrs.frozen(kw_only=True)
 class EnvironmentSpec(ComponentSpec):
-    """An environment. ``factory(**options) -> Environment`` (a class or a function)."""
+    """An environment. ``factory(**options) -> Environment`` (a class or a function).
+
+    Without an ``options`` class, its options are the factory's typed keyword parameters (see
+    ``skyrl_core.plugins.signature_options``)."""
 
     kind: ClassVar[str] = "environment"
     kind_title: ClassVar[str] = "environment"
+
+    def load_options_class(self) -> type | None:
+        if self.options:
+            return import_object(self.options)
+        from skyrl_core.plugins.signature_options import options_class_from_signature
+
+        return options_class_from_signature(self.load_factory(), self.name)
 
 
 @attrs.frozen(kw_only=True)

@@ -29,14 +29,18 @@ def test_installed_third_party_env_is_listed_and_buildable(third_party_env_packa
         obs, reward, done, info = env.step("cba")
         assert (obs, reward, done) == ([], 1.0, True)
         assert env.step("abc").reward == 0.0
-        # an entry-point environment has no options class: options are refused, not passed unchecked
+        # an entry-point environment's options are its constructor's typed keyword parameters,
+        # validated like any other options
         from skyrl_core.config.errors import ConfigError
 
-        try:
-            skyrl_core.make_env("countdown-word", word="abc")
-        except ConfigError as error:
-            assert "environment 'countdown-word' takes no options" in str(error)
-        else:
-            raise AssertionError("options of an entry-point environment were accepted")
+        assert skyrl_core.make_env("countdown-word", word="xyz").word == "xyz"
+        for bad, message in ((dict(wrd="abc"), "environment:countdown-word.wrd: unknown key"),
+                             (dict(word=3), "environment:countdown-word.word: 3 is invalid: expected a string")):
+            try:
+                skyrl_core.make_env("countdown-word", **bad)
+            except ConfigError as error:
+                assert message in str(error), str(error)
+            else:
+                raise AssertionError(f"{bad} was accepted")
     finally:
         set_plugin_manager(previous)

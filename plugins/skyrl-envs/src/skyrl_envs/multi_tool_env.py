@@ -51,8 +51,8 @@ def _limits(value: Any) -> SandboxLimits:
 
 @attrs.frozen(kw_only=True)
 class MultiToolOptions:
-    corpus_path: str = attrs.field(default=str(SHIPPED_CORPUS), metadata={"help": "JSONL corpus for <search>"})
-    index_dir: str = attrs.field(default="", metadata={"help": "where the index is built ('' = $SKYRL_CACHE_DIR/search)"})
+    corpus_path: str = attrs.field(default=str(SHIPPED_CORPUS), metadata={"help": "JSONL corpus for <search>", "path": "input"})
+    index_dir: str = attrs.field(default="", metadata={"help": "where the index is built ('' = $SKYRL_CACHE_DIR/search)", "path": "output"})
     top_k: int = attrs.field(default=3, validator=_positive, metadata={"help": "passages returned per search"})
     max_passage_chars: int = attrs.field(default=600, validator=_positive, metadata={"help": "passages are cut to this"})
     max_turns: int = attrs.field(default=6, validator=_positive, metadata={"help": "turns before the episode ends"})

@@ -48,8 +48,8 @@ def _positive(instance: Any, attribute: attrs.Attribute, value: int) -> None:
 
 @attrs.frozen(kw_only=True)
 class SearchOptions:
-    corpus_path: str = attrs.field(default=str(SHIPPED_CORPUS), metadata={"help": "JSONL corpus of passages"})
-    index_dir: str = attrs.field(default="", metadata={"help": "where the index is built ('' = $SKYRL_CACHE_DIR/search)"})
+    corpus_path: str = attrs.field(default=str(SHIPPED_CORPUS), metadata={"help": "JSONL corpus of passages", "path": "input"})
+    index_dir: str = attrs.field(default="", metadata={"help": "where the index is built ('' = $SKYRL_CACHE_DIR/search)", "path": "output"})
     top_k: int = attrs.field(default=3, validator=_positive, metadata={"help": "passages returned per search"})
     max_turns: int = attrs.field(default=4, validator=_positive, metadata={"help": "turns before the episode ends"})
     max_passage_chars: int = attrs.field(default=600, validator=_positive, metadata={"help": "passages are cut to this"})
