@@ -72,3 +72,19 @@ def batch_to_device(batch: TrainingBatch, device: torch.device) -> TrainingBatch
         if isinstance(value := getattr(batch, f.name), torch.Tensor)
     }
     return attrs.evolve(batch, **moved)
+
+
+def use_memory_efficient_attention(model: Any) -> str:
+    """Switch a transformers model from eager attention (which keeps every ``[heads, L, L]``
+    probability matrix for backward: quadratic in sequence length) to SDPA (PyTorch's fused
+    attention, keeping ``O(L)`` per head); return the implementation in use. Call it before
+    ``prepare_model``: installed ops fall back to the implementation set here. Models without SDPA
+    support keep theirs."""
+    current = getattr(model.config, "_attn_implementation", None) or "eager"
+    if current != "eager":
+        return current
+    try:
+        model.set_attn_implementation("sdpa")
+    except (ValueError, ImportError, AttributeError):
+        return current
+    return "sdpa"

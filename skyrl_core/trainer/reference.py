@@ -6,6 +6,7 @@ import attrs
 import torch
 
 from skyrl_core.backends.packing import plan_micro_batches, scatter_rows, trim
+from skyrl_core.backends.rank_setup import use_memory_efficient_attention
 from skyrl_core.config.schema import ModelConfig, TrainerConfig
 from skyrl_core.models import load_causal_lm
 from skyrl_core.ops import prepare_model, site_scope
@@ -21,6 +22,7 @@ class ReferencePolicy:
     def __init__(self, model: ModelConfig, *, seed: int, trainer: TrainerConfig) -> None:
         self.model = load_causal_lm(attrs.evolve(model, dtype="float32"), seed=seed)
         self.model.requires_grad_(False)
+        use_memory_efficient_attention(self.model)
         self.ledger = prepare_model(self.model, "trainer")
         self.trainer = trainer
 

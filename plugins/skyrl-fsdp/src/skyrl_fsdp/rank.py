@@ -30,7 +30,13 @@ from torch.distributed.tensor import DTensor
 
 from skyrl_core.backends.activation_checkpointing import checkpoint_layers, decoder_layers
 from skyrl_core.backends.packing import scatter_rows, trim
-from skyrl_core.backends.rank_setup import accepts_keyword, batch_to_device, join_process_group, resolve_device
+from skyrl_core.backends.rank_setup import (
+    accepts_keyword,
+    batch_to_device,
+    join_process_group,
+    resolve_device,
+    use_memory_efficient_attention,
+)
 from skyrl_core.config.schema import ModelConfig, TrainerConfig
 from skyrl_core.heap import keep_freed_memory
 from skyrl_core.interfaces import LossFn
@@ -139,6 +145,7 @@ class FSDPRank:
 
         # Same seed on every rank: identical initial weights before sharding.
         self.model = load_causal_lm(attrs.evolve(model, dtype="float32"), seed=seed)
+        use_memory_efficient_attention(self.model)  # memory linear, not quadratic, in sequence length
         compute_dtype = torch.bfloat16 if options.mixed_precision == "bf16" else None
         defaults = {}
         if self.device.type == "cpu" and options.cpu_gemm == "onednn" and compute_dtype is None:
