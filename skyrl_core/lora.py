@@ -47,10 +47,12 @@ def target_modules(model: Any, groups: tuple[str, ...]) -> list[str]:
             "ties lm_head to embed_tokens. Train attention and MLP adapters only (train_unembed=False)."
         )
     suffixes = {s for g in groups for s in TARGET_GROUPS[g]}
+    # A layer another adapter already wraps keeps its name; its linear is then the wrapper's base_layer.
     names = [
         name
         for name, module in model.named_modules()
-        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in suffixes
+        if name.rsplit(".", 1)[-1] in suffixes
+        and isinstance(getattr(module, "base_layer", module), torch.nn.Linear)
     ]
     if not names:
         raise ValueError(f"LoRA targets {list(groups)} match no linear layer of this model")

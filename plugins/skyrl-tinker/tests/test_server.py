@@ -1,0 +1,265 @@
+"""The Tinker server driven by the official ``tinker`` SDK (0.38), against real ``skyrl tinker serve``
+processes on loopback with a tiny Qwen3 (untied embeddings, byte tokenizer)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import tinker
+import torch
+from safetensors.torch import load_file
+from tinker import types
+from tinker.proto.request_conv import forward_backward_request_to_proto
+
+from server import TEST_KEY, byte_tokenizer, free_port, serve
+from skyrl_tinker.client_loops import arithmetic_prompts, rl_step
+
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::FutureWarning")]  # the SDK's deprecation notes
+
+MAX_BODY = 1024 * 1024
+HEADERS = {"X-API-Key": TEST_KEY}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("tinker")
+    (root / "ck").mkdir()
+    with serve(tiny_model, root / "ck", extra=("--max-request-bytes", str(MAX_BODY))) as url:
+        yield url, root / "ck"
+
+
+def _client(url: str, key: str = TEST_KEY) -> tinker.ServiceClient:
+    return tinker.ServiceClient(base_url=url, api_key=key)
+
+
+def _datum(tokens: list[int], **inputs) -> types.Datum:
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": tokens[1:], **inputs})
+
+
+SENTENCE = list(range(40, 60))
+PROBE = _datum(list(range(100, 112)))
+
+
+def _forward_bits(tc, datum=PROBE) -> np.ndarray:
+    out = tc.forward([datum], "cross_entropy").result()
+    return np.asarray(out.loss_fn_outputs[0]["logprobs"].tolist(), dtype=np.float32).view(np.int32)
+
+
+def _sl_steps(tc, steps: int, data=None, lr: float = 4e-3) -> list[float]:
+    losses = []
+    for _ in range(steps):
+        fb = tc.forward_backward(data or [_datum(SENTENCE)], "cross_entropy")
+        step = tc.optim_step(types.AdamParams(learning_rate=lr))
+        losses.append(fb.result().metrics["loss:sum"])
+        step.result()
+    return losses
+
+
+def _checkpoint_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    tensors = dict(load_file(str(directory / "adapter.safetensors")))
+    optimizer = directory / "optimizer.pt"
+    if optimizer.exists():
+        for index, state in torch.load(optimizer, weights_only=True)["state"].items():
+            for key, value in state.items():
+                tensors[f"optimizer.{index}.{key}"] = value
+    return tensors
+
+
+def _bit_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k].view(torch.int32) if a[k].dtype == torch.float32 else a[k],
+                                                    b[k].view(torch.int32) if b[k].dtype == torch.float32 else b[k]) for k in a)
+
+
+def _dir(ck: Path, path: str) -> Path:
+    """The directory of checkpoint ``path`` (tinker://<run>/<kind>/<name>) under the server's root."""
+    run, kind, name = path.removeprefix("tinker://").split("/")
+    (hit,) = list(ck.glob(f"*/{run.replace(':', '_')}/{kind}/{name}"))
+    return hit
+
+
+def test_supervised_loop_with_cross_entropy_lowers_the_loss(server):
+    url, _ = server
+    tc = _client(url).create_lora_training_client(base_model="tiny", rank=8, seed=0).result()
+    assert tc.get_info().lora_rank == 8 and tc.get_info().model_data.model_name == "tiny"
+    losses = _sl_steps(tc, 6)
+    assert losses[-1] < 0.7 * losses[0], losses
+    assert all(b < a for a, b in zip(losses, losses[1:])), losses
+
+
+def test_rl_loop_with_importance_sampling_raises_the_reward(server):
+    url, _ = server
+    tc = _client(url).create_lora_training_client(base_model="tiny", rank=8, seed=0).result()
+    tokenizer = byte_tokenizer()
+    prompts = arithmetic_prompts(tokenizer.encode, 8)
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    rewards = []
+    for step in range(10):
+        reward, sampler = rl_step(tc, sampler, prompts, samples=8, max_tokens=4, learning_rate=2e-2, seed=step)
+        rewards.append(reward)
+    assert np.mean(rewards[-3:]) > np.mean(rewards[:3]) + 0.15, rewards
+
+
+def test_save_state_load_state_round_trips_weights_and_optimizer_bit_for_bit(server):
+    url, ck = server
+    tc = _client(url).create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
+    _sl_steps(tc, 2)
+    saved = tc.save_state("round-trip").result().path
+    assert saved.endswith("/weights/round-trip")
+    _sl_steps(tc, 1)
+    after_original = tc.save_state("after-original").result().path
+
+    tc.load_state_with_optimizer(saved).result()
+    assert _bit_equal(_checkpoint_tensors(_dir(ck, tc.save_state("reloaded").result().path)), _checkpoint_tensors(_dir(ck, saved)))
+    _sl_steps(tc, 1)
+    after_reload = tc.save_state("after-reload").result().path
+    assert _bit_equal(_checkpoint_tensors(_dir(ck, after_reload)), _checkpoint_tensors(_dir(ck, after_original)))
+
+    # Negative control: weights without the Adam moments take a different step.
+    tc.load_state(saved).result()
+    _sl_steps(tc, 1)
+    weights_only = load_file(str(_dir(ck, tc.save_state("after-weights-only").result().path) / "adapter.safetensors"))
+    original = load_file(str(_dir(ck, after_original) / "adapter.safetensors"))
+    assert any(not torch.equal(weights_only[k], original[k]) for k in original)
+
+
+def test_two_adapters_trained_at_once_end_bit_equal_to_each_trained_alone(server):
+    url, ck = server
+    service = _client(url)
+    data_a = [_datum(SENTENCE)]
+    data_b = [_datum(list(range(200, 230))), _datum(list(range(7, 19)))]
+    a = service.create_lora_training_client(base_model="tiny", rank=4, seed=11).result()
+    b = service.create_lora_training_client(base_model="tiny", rank=8, seed=12, train_mlp=False).result()
+    futures = []
+    for _ in range(3):  # interleaved on the server's queue: a, b, a, b, ...
+        futures += [a.forward_backward(data_a, "cross_entropy"), b.forward_backward(data_b, "cross_entropy")]
+        futures += [a.optim_step(types.AdamParams(learning_rate=1e-2)), b.optim_step(types.AdamParams(learning_rate=2e-2, weight_decay=0.1))]
+    for f in futures:
+        f.result()
+    together = {n: _checkpoint_tensors(_dir(ck, c.save_state(f"together-{n}").result().path)) for n, c in (("a", a), ("b", b))}
+
+    alone_a = service.create_lora_training_client(base_model="tiny", rank=4, seed=11).result()
+    _sl_steps(alone_a, 3, data_a, lr=1e-2)
+    alone_b = service.create_lora_training_client(base_model="tiny", rank=8, seed=12, train_mlp=False).result()
+    for _ in range(3):
+        alone_b.forward_backward(data_b, "cross_entropy").result()
+        alone_b.optim_step(types.AdamParams(learning_rate=2e-2, weight_decay=0.1)).result()
+    assert _bit_equal(together["a"], _checkpoint_tensors(_dir(ck, alone_a.save_state("alone-a").result().path)))
+    assert _bit_equal(together["b"], _checkpoint_tensors(_dir(ck, alone_b.save_state("alone-b").result().path)))
+    _sl_steps(alone_a, 1, data_a, lr=1e-2)  # negative control: one step more is visible in the bits
+    assert not _bit_equal(together["a"], _checkpoint_tensors(_dir(ck, alone_a.save_state("alone-a-4").result().path)))
+
+
+def _raw_forward_backward(model_id: str, data: list[types.Datum], loss_fn: str = "cross_entropy") -> bytes:
+    request = types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn=loss_fn), model_id=model_id, seq_id=1
+    )
+    return forward_backward_request_to_proto(request).SerializeToString()
+
+
+def test_bad_input_gets_a_clear_4xx_and_the_server_keeps_serving(server):
+    url, _ = server
+    tc = _client(url).create_lora_training_client(base_model="tiny", rank=4, seed=0).result()
+    proto = {"Content-Type": "application/x-protobuf", **HEADERS}
+    with httpx.Client(base_url=url, timeout=30) as http:
+        r = http.post("/api/v1/forward_backward", content=_raw_forward_backward("no-such-model", [_datum(SENTENCE)]), headers=proto)
+        assert r.status_code == 404 and "model_id 'no-such-model' not found" in r.text
+        r = http.post("/api/v1/forward_backward", content=_raw_forward_backward(tc.model_id, [_datum(SENTENCE)], "dro"), headers=proto)
+        assert r.status_code == 400 and "loss_fn 'dro'" in r.text and "supported: cross_entropy" in r.text
+        bad = types.Datum(model_input=types.ModelInput.from_ints(SENTENCE[:-1]), loss_fn_inputs={"target_tokens": SENTENCE[1:-2]})
+        r = http.post("/api/v1/forward_backward", content=_raw_forward_backward(tc.model_id, [bad]), headers=proto)
+        assert r.status_code == 400 and "data[0].loss_fn_inputs.target_tokens: length 17, but model_input has 19 tokens" in r.text
+        r = http.post("/api/v1/forward_backward", content=_raw_forward_backward(tc.model_id, [_datum([1, 2, 9999])]), headers=proto)
+        assert r.status_code == 400 and "token id 9999 is outside the vocabulary [0, 512)" in r.text
+        r = http.post("/api/v1/forward_backward", content=b"\0" * (MAX_BODY + 1), headers=proto)
+        assert r.status_code == 413 and f"limit of {MAX_BODY} bytes" in r.text
+        r = http.post("/api/v1/optim_step", json={"model_id": tc.model_id, "adam_params": {"learning_rate": "fast"}}, headers=HEADERS)
+        assert r.status_code == 422 and "adam_params.AdamParams.learning_rate: Input should be a valid number" in r.text
+        r = http.post("/api/v1/optim_step", json={"model_id": tc.model_id, "adam_params": {"learning_rate": -1.0}}, headers=HEADERS)
+        assert r.status_code == 400 and "adam_params.learning_rate: must be >= 0" in r.text
+        r = http.post("/api/v1/no_such_route", json={}, headers=HEADERS)
+        assert r.status_code == 404 and "no route POST /api/v1/no_such_route" in r.text
+        r = http.post("/api/v1/retrieve_future", json={"request_id": "nope"}, headers=HEADERS)
+        assert r.status_code == 404 and "request_id 'nope' not found" in r.text
+        assert all(r.headers["x-should-retry"] == "false" for r in [r])
+    # Through the SDK: the error reaches the caller, nothing was queued, the model still trains.
+    with pytest.raises(Exception, match="is not served here; this server serves 'tiny'"):
+        _client(url).create_lora_training_client(base_model="other", rank=4).result()
+    assert len(_sl_steps(tc, 1)) == 1
+
+
+def test_a_restarted_server_answers_for_finished_work_and_lists_checkpoints(tiny_model, tmp_path):
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    port = free_port()
+    with serve(tiny_model, ck, port=port) as url, httpx.Client(base_url=url, timeout=60) as http:
+        session = http.post("/api/v1/create_session", json={"tags": [], "user_metadata": None, "sdk_version": "0.38.0"}, headers=HEADERS).json()["session_id"]
+        created = http.post("/api/v1/create_model", json={"session_id": session, "model_seq_id": 0, "base_model": "tiny", "lora_config": {"rank": 4, "seed": 5, "train_unembed": False}}, headers=HEADERS).json()
+        first = http.post("/api/v1/retrieve_future", json={"request_id": created["request_id"]}, headers=HEADERS).json()
+        assert first == {"model_id": f"{session}:train:0", "type": "create_model"}
+        service = _client(url)
+        tc = service.create_lora_training_client(base_model="tiny", rank=4, seed=6).result()
+        _sl_steps(tc, 2)
+        path = tc.save_state("before-restart").result().path
+        bits = _forward_bits(tc)
+    with serve(tiny_model, ck, port=port) as url, httpx.Client(base_url=url, timeout=60) as http:
+        again = http.post("/api/v1/retrieve_future", json={"request_id": created["request_id"]}, headers=HEADERS).json()
+        assert again == first
+        service = _client(url)
+        listed = service.create_rest_client().list_checkpoints(tc.model_id).result().checkpoints
+        assert [c.tinker_path for c in listed] == [path]
+        r = http.post("/api/v1/optim_step", json={"model_id": tc.model_id, "adam_params": {}}, headers=HEADERS)
+        assert r.status_code == 409 and "earlier server process" in r.text
+        restored = service.create_training_client_from_state_with_optimizer(path).result()
+        assert (_forward_bits(restored) == bits).all()
+
+
+def test_api_keys_authenticate_and_isolate(tiny_model, tmp_path):
+    other = "tml-other-key"
+    (tmp_path / "keys").write_text(f"# test keys\n{TEST_KEY}\n{other}\n")
+    (tmp_path / "ck").mkdir()
+    with serve(tiny_model, tmp_path / "ck", extra=("--api-keys", str(tmp_path / "keys"))) as url, httpx.Client(base_url=url, timeout=60) as http:
+        assert http.post("/api/v1/create_session", json={"tags": [], "user_metadata": None, "sdk_version": "x"}).status_code == 401
+        r = http.post("/api/v1/create_session", json={"tags": [], "user_metadata": None, "sdk_version": "x"}, headers={"X-API-Key": "tml-wrong"})
+        assert r.status_code == 401 and "invalid API key" in r.text
+        tc = _client(url).create_lora_training_client(base_model="tiny", rank=4, seed=0).result()
+        path = tc.save_state("mine").result().path
+        theirs = {"X-API-Key": other}
+        r = http.post("/api/v1/get_info", json={"model_id": tc.model_id}, headers=theirs)
+        assert r.status_code == 404 and "not found" in r.text
+        assert http.get(f"/api/v1/training_runs/{tc.model_id}/checkpoints", headers=theirs).status_code == 404
+        assert http.get("/api/v1/checkpoints", headers=theirs).json()["checkpoints"] == []
+        assert http.get("/api/v1/training_runs", headers=theirs).json()["training_runs"] == []
+        r = http.post("/api/v1/load_weights", json={"model_id": tc.model_id, "path": path, "optimizer": True}, headers=theirs)
+        assert r.status_code == 404
+        mine = http.get("/api/v1/checkpoints", headers=HEADERS).json()["checkpoints"]
+        assert [c["tinker_path"] for c in mine] == [path]
+        assert _client(url, other).create_lora_training_client(base_model="tiny", rank=4).result().get_info().lora_rank == 4
+
+
+@pytest.mark.parametrize("isoexec", ["1", "0"])
+def test_sampled_logprobs_equal_forward_logprobs_bit_for_bit_with_isoexec(tiny_model, tmp_path, isoexec):
+    (tmp_path / "ck").mkdir()
+    with serve(tiny_model, tmp_path / "ck", env={"SKYRL_ISOEXEC": isoexec}) as url:
+        tc = _client(url).create_lora_training_client(base_model="tiny", rank=4, seed=0).result()
+        _sl_steps(tc, 1)  # a trained adapter, so the merged weights differ from the base
+        sampler = tc.save_weights_and_get_sampling_client().result()
+        prompt = [10, 11, 12, 13, 14]
+        response = sampler.sample(types.ModelInput.from_ints(prompt), num_samples=4, include_prompt_logprobs=True,
+                                  sampling_params=types.SamplingParams(max_tokens=12, seed=3)).result()
+        differing = total = 0
+        for seq in response.sequences:
+            full = prompt + list(seq.tokens)
+            forward = _forward_bits(tc, _datum(full))[len(prompt) - 1 :]
+            sampled = np.asarray(seq.logprobs, dtype=np.float32).view(np.int32)
+            differing += int((forward != sampled).sum())
+            total += len(sampled)
+        prompt_bits = np.asarray(response.prompt_logprobs[1:], dtype=np.float32).view(np.int32)
+        assert (prompt_bits == _forward_bits(tc, _datum(prompt))).all()
+    assert total == 48
+    if isoexec == "1":
+        assert differing == 0
+    else:  # negative control: KV-cache decode and batched GEMMs round differently without IsoExec
+        assert differing > 0
