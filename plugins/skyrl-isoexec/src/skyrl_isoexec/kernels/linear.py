@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from skyrl_core.ops import onednn
+from skyrl_core.ops.shapes import reshape_fresh
 
 from skyrl_isoexec.constants import LINEAR_DTYPES, LINEAR_MIN_COLUMNS, LINEAR_ROW_ALIGN
 
@@ -88,7 +89,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         out = row_aligned_matmul(x2, weight)
         if bias is not None:
             out = out + bias
-    return out.view(*x.shape[:-1], weight.shape[0])
+    return reshape_fresh(out, (*x.shape[:-1], weight.shape[0]))  # not a view: see skyrl_core.ops.shapes
 
 
 # Engines may fuse projections over this linear (see the module docstring; skyrl-torch reads it).
