@@ -49,7 +49,7 @@ from skyrl_core.rollout import (
 from skyrl_core.trainer import checkpoint as ckpt
 from skyrl_core.trainer.evaluate import evaluate
 from skyrl_core.trainer.loss import RLLoss
-from skyrl_core.trainer.metrics import PLOT_FILE, MetricsLog, plot_metrics
+from skyrl_core.trainer.metrics import METRICS_FILE, PLOT_FILE, MetricsLog, plot_metrics
 from skyrl_core.trainer.divergence import check_finite, check_weights_finite
 from skyrl_core.trainer.preflight import check_run_inputs, prepare_output_dir
 from skyrl_core.trainer.progress import Progress
@@ -254,12 +254,9 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
         # --- the end --------------------------------------------------------------------------------
         if tc.plot:
             plot_metrics(log, os.path.join(run_dir, PLOT_FILE))
-        evals = [r for r in log.history if "eval/accuracy" in r]
-        before = _eval_part(evals[0]) if evals and evals[0]["step"] == 0 else {}
-        after = _eval_part(evals[-1]) if evals else {}
-        if before and after:
-            print(f"held-out accuracy: before {before['eval/accuracy']:.3f} -> after {after['eval/accuracy']:.3f} "
-                  f"({len(eval_rows)} prompts, step 0 -> {evals[-1]['step']})", flush=True)
+        before, after = _evals_of_this_run(log.history, start_step)
+        print(_run_summary(run_dir, log.history, start_step, before, after, len(eval_rows), tc.plot), flush=True)
+        before, after = _eval_part(before), _eval_part(after)
         final = log.history[-1] if log.history else {}
         pm.hook.skyrl_on_run_end(metrics=dict(final), run_dir=run_dir)
         return RunResult(run_dir=run_dir, history=log.history, eval_before=before, eval_after=after)
@@ -384,6 +381,38 @@ def _mean_metrics(records: list[dict[str, float]]) -> dict[str, float]:
         values = [r[key] for r in records if key in r]
         out[key] = values[-1] if key == "lr" else sum(values) / len(values)
     return out
+
+
+def _evals_of_this_run(history: list[dict[str, Any]], start_step: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The eval records this run went from and to: the last one at or before the step it started
+    from (step 0's, or the resumed checkpoint's) and its last one after; ``{}`` where there is none."""
+    evals = [r for r in history if "eval/accuracy" in r]
+    before = [r for r in evals if r["step"] <= start_step]
+    after = [r for r in evals if r["step"] > start_step]
+    return (before[-1] if before else {}), (after[-1] if after else {})
+
+
+def _run_summary(run_dir: str, history: list[dict[str, Any]], start_step: int, before: dict[str, Any],
+                 after: dict[str, Any], eval_prompts: int, plotted: bool) -> str:
+    """What the run did and where everything went, printed at its end."""
+    steps = [r["step"] for r in history if r["step"] > start_step]
+    did = f"steps {steps[0]}-{steps[-1]}" if steps else "no steps"
+    lines = [f"run finished: {did}" + (f" (resumed from step {start_step})" if start_step else "")]
+    if before and after:
+        lines.append(f"held-out accuracy: {before['eval/accuracy']:.3f} at step {before['step']} -> "
+                     f"{after['eval/accuracy']:.3f} at step {after['step']} ({eval_prompts} prompts)")
+    elif after:
+        lines.append(f"held-out accuracy: {after['eval/accuracy']:.3f} at step {after['step']} ({eval_prompts} prompts)")
+    try:
+        checkpoint = ckpt.resolve_checkpoint(run_dir)
+    except FileNotFoundError:
+        checkpoint = None
+    where = [("run directory", run_dir), ("config", os.path.join(run_dir, "config.yaml")),
+             ("metrics", os.path.join(run_dir, METRICS_FILE)),
+             ("plot", os.path.join(run_dir, PLOT_FILE) if plotted else None),
+             ("last checkpoint", checkpoint)]
+    lines += [f"  {label + ':':<17}{path}" for label, path in where if path and os.path.exists(path)]
+    return "\n".join(lines)
 
 
 def _eval_part(record: dict[str, Any]) -> dict[str, float]:
