@@ -43,7 +43,7 @@ def test_example_plugin_is_listed_and_selectable_from_config(installed_example_p
 
     config = tmp_path / "c.yaml"
     config.write_text("model: {config: {model_type: qwen3}}\nalgorithm: {policy_loss: {name: clipped_reinforce, options: {clip: 0.5}}}\n")
-    shown = run_skyrl("config", "show", str(config), "--json")
+    shown = run_skyrl("config", "show", str(config), "--json", "--skip-checks")  # keys and values only: no data here
     assert shown.returncode == 0, shown.stderr
     assert json.loads(shown.stdout)["algorithm"]["policy_loss"] == {"name": "clipped_reinforce", "options": {"clip": 0.5}}
 
