@@ -242,6 +242,9 @@ class TrainerConfig:
     activation_checkpointing: bool = attrs.field(
         default=False, metadata=_help("recompute each decoder layer in backward instead of storing its activations")
     )
+    memory_check: bool = attrs.field(
+        default=True, metadata=_help("refuse a run whose estimated peak memory exceeds what this process may use")
+    )
     ppo_epochs: int = attrs.field(default=1, validator=_positive, metadata=_help("passes over each rollout batch"))
     eval_every: int = attrs.field(default=0, validator=_non_negative, metadata=_help("eval every k steps (0: start and end only)"))
     checkpoint_every: int = attrs.field(default=0, validator=_non_negative, metadata=_help("checkpoint every k steps (0: end only)"))

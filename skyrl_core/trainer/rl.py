@@ -48,9 +48,11 @@ from skyrl_core.rollout import (
 )
 from skyrl_core.trainer import checkpoint as ckpt
 from skyrl_core.trainer.evaluate import evaluate
+from skyrl_core.trainer.failure import RunActivity
+from skyrl_core.trainer.memory_estimate import check_step_memory
 from skyrl_core.trainer.loss import RLLoss
 from skyrl_core.trainer.metrics import METRICS_FILE, PLOT_FILE, MetricsLog, plot_metrics
-from skyrl_core.trainer.divergence import check_finite, check_weights_finite
+from skyrl_core.trainer.divergence import NonFiniteTrainingError, check_finite, check_weights_finite
 from skyrl_core.trainer.preflight import check_run_inputs, prepare_output_dir
 from skyrl_core.trainer.progress import Progress
 from skyrl_core.trainer.reference import ReferencePolicy
@@ -73,6 +75,8 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
     tc = cfg.trainer
     # bad paths, an occupied output_dir, components that cannot run here: all fail here, before anything is written
     inputs = check_run_inputs(cfg, smollm2_dir=SMOLLM2_DIR, plugin_manager=pm)
+    if tc.memory_check:  # a step the kernel would kill mid-run is refused now, naming what lowers it
+        check_step_memory(cfg)
     _seed_everything(tc.seed)
     keep_freed_memory()  # activation tensors reuse heap blocks instead of faulting in fresh pages
     run_dir = prepare_output_dir(cfg, inputs.resume_from)  # also removes what a killed checkpoint left
@@ -98,6 +102,9 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
 
     # Runtimes (and Ray ranks, engine processes) are closed however the run ends.
     with contextlib.ExitStack() as closing:
+        # An error names the step and phase it stopped (after the runtimes below are closed).
+        activity = RunActivity(os.path.join(run_dir, METRICS_FILE), passes_through=(NonFiniteTrainingError,))
+        closing.push(activity.on_exit)
         # Plugins adopt the run's config first: IsoExec must be on before runtimes install their ops.
         pm.hook.skyrl_on_run_start(config=cfg, run_dir=run_dir)
         backend = closing.enter_context(contextlib.closing(build_backend(pm, cfg, model)))
@@ -155,6 +162,7 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
             timings: dict[str, float] = {}
             started = time.perf_counter()
 
+            activity.now(step, "generating rollouts")
             # 1. rollouts: n episodes per prompt, rewards from the environments (dynamic sampling may
             #    drop groups without signal, and roll out more prompts to refill the step)
             trajectories, samples, sampling_metrics = _collect_rollouts(
@@ -166,6 +174,7 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
             if samples:
                 batch = build_training_batch(samples, codec.pad_token_id)
 
+                activity.now(step, "computing old logprobs (and reference logprobs)")
                 # 2. old logprobs: the trainer's logprobs of the sampled tokens under the sampling policy.
                 #    - IsoExec (or trainer.reuse_rollout_logprobs): the engine's are the trainer's; step 1
                 #      computes them anyway, so the log shows the mismatch the skip relies on;
@@ -182,6 +191,7 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
                 timings["time/old_logprobs"] = time.perf_counter() - t
                 ref_logprobs = reference.forward(batch) if reference is not None else None
 
+                activity.now(step, "computing rewards and advantages")
                 # 3. rewards and advantages (KL as a reward penalty goes in here)
                 rewards = token_rewards(samples, batch.loss_mask)
                 if use_kl and kl_cfg.use_as == "reward":
@@ -197,6 +207,7 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
                 batch = attrs.evolve(batch, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                                      advantages=advantages, returns=returns)
 
+                activity.now(step, "training (forward_backward and optimizer steps)")
                 # 4. PPO epochs over mini-batches; each mini-batch is one optimizer step
                 t = time.perf_counter()
                 kl_loss_coef = kl_ctl.value if use_kl and kl_cfg.use_as == "loss" else 0.0
@@ -222,6 +233,7 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
                     kl_ctl.update(metrics.get("kl", 0.0), len(batch))
                     metrics["kl_coef"] = kl_ctl.value
 
+                activity.now(step, "syncing weights to the engine")
                 # 5. contract handshake, then weight sync to the engine
                 t = time.perf_counter()
                 handshake(pm, backend, engine)
@@ -233,6 +245,7 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
             timings["time/step"] = time.perf_counter() - started
             metrics.update(timings)
 
+            activity.now(step, "evaluating")
             # 6. evaluation every k steps and at the end
             if eval_rows and ((tc.eval_every and step % tc.eval_every == 0) or step == tc.steps):
                 metrics.update(run_eval(step))
@@ -244,6 +257,7 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
 
             release_freed_memory()
 
+            activity.now(step, "saving a checkpoint")
             # 7. checkpoint every k steps and at the end
             if (tc.checkpoint_every and step % tc.checkpoint_every == 0) or step == tc.steps:
                 state = {"sampler": sampler.state(), "kl_coef": kl_ctl.value, "history": log.history}

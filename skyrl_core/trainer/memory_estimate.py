@@ -1,0 +1,179 @@
+"""Before the first step: the peak memory of the configured training step, against what this process
+may use. A run the kernel would kill mid-step (silently, from its point of view) is refused instead,
+with the knobs that lower the peak.
+
+The estimate adds, on one machine:
+- the trainer's fp32 weights, gradients and AdamW moments (16 bytes a parameter), the reference
+  policy's weights (KL), the engine's weights, and a full weight copy when weights are synced;
+- the activations autograd keeps for the largest micro-batch (every decoder layer's intermediate
+  tensors, or only layer inputs plus one layer with ``trainer.activation_checkpointing``), and its
+  attention mask;
+- one chunk of logits (``trainer.logprob_chunk_tokens`` positions x vocabulary) and its copies;
+- the engine's KV cache for the samples decoded together;
+- this process as it is now (interpreter, libraries), and each further rank process.
+Per-token activation sizes were measured on SmolLM2 (autograd's saved tensors, fp32, SDPA): about
+52 KiB per token per layer at hidden 576 / intermediate 1536; the formula below is 1.1x that.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import attrs
+
+from skyrl_core.config.errors import ConfigError, ConfigIssue
+from skyrl_core.config.schema import Config
+
+GIB = 1024**3
+FP32 = 4
+RANK_PROCESS_BYTES = 600 * 1024**2  # a further Python process with torch and transformers imported
+LOGIT_COPIES = 6  # logits, log-softmax, its exp (entropy), and their gradients in backward
+
+
+@attrs.frozen
+class MemoryEstimate:
+    """Bytes by part; ``total`` is their sum."""
+
+    parts: dict[str, int]
+    largest_micro_batch_tokens: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    def describe(self) -> str:
+        return ", ".join(f"{name} {value / GIB:.2f}" for name, value in self.parts.items() if value)
+
+
+def _option(selection: Any, name: str, default: Any) -> Any:
+    options = selection.options
+    value = options.get(name, default) if isinstance(options, dict) else getattr(options, name, default)
+    return default if value is None else value
+
+
+def _hf_config(cfg: Config) -> Any:
+    from skyrl_core.models import build_hf_config
+
+    if cfg.model.config is not None:
+        return build_hf_config(dict(cfg.model.config))
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(os.path.expanduser(cfg.model.path))
+
+
+def _parameter_count(hf_config: Any) -> int:
+    """Parameters of the model ``hf_config`` describes, counted on the meta device (no memory)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def activation_bytes_per_token(hf_config: Any, *, checkpointing: bool) -> int:
+    """Bytes autograd keeps per token of a micro-batch through the decoder (fp32)."""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    hidden, layers = text.hidden_size, text.num_hidden_layers
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or hidden // heads
+    kv = (getattr(text, "num_key_value_heads", None) or heads) * head_dim
+    inter = getattr(text, "intermediate_size", None) or 4 * hidden
+    experts = getattr(text, "num_experts_per_tok", None) or 1
+    one_layer = (10 * hidden + 4 * inter * experts + 4 * heads * head_dim + 4 * kv) * FP32
+    if checkpointing:
+        return layers * hidden * FP32 + one_layer + 2 * hidden * FP32
+    return layers * one_layer + 2 * hidden * FP32
+
+
+def estimate_step_memory(cfg: Config, *, baseline_bytes: int, hf_config: Any = None,
+                         parameters: int | None = None) -> MemoryEstimate:
+    tc, gen, ro = cfg.trainer, cfg.generation, cfg.rollout
+    hf_config = hf_config if hf_config is not None else _hf_config(cfg)
+    parameters = parameters if parameters is not None else _parameter_count(hf_config)
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    vocab = text.vocab_size
+
+    response = ro.max_response_tokens if ro.max_response_tokens is not None else gen.max_new_tokens * ro.max_turns
+    longest = ro.max_prompt_tokens + max(response, 1)
+    rows = cfg.data.prompts_per_step * gen.n_samples * (ro.max_turns if ro.stepwise else 1)
+    world = int(_option(cfg.backend, "world_size", 1) or 1)
+    rows_per_rank = -(-rows // world)
+    micro_rows = min(rows_per_rank, tc.micro_batch_size)
+    micro_tokens = micro_rows * longest
+    if tc.micro_batch_tokens is not None:
+        micro_tokens = max(longest, min(micro_tokens, tc.micro_batch_tokens))  # one row is never split
+    rows_in_micro = max(1, micro_tokens // longest)
+
+    use_kl = cfg.algorithm.kl.use_as != "none" and (cfg.algorithm.kl.coef > 0 or cfg.algorithm.kl.adaptive_target is not None)
+    engine_bytes_per_param = 2 if cfg.model.dtype == "bfloat16" else FP32
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    kv_bytes_per_token = text.num_hidden_layers * 2 * (getattr(text, "num_key_value_heads", None) or text.num_attention_heads) * head_dim * engine_bytes_per_param
+    slots = min(cfg.data.prompts_per_step * gen.n_samples, int(_option(cfg.engine, "max_num_seqs", 64)))
+    capacity = -(-(ro.max_prompt_tokens + gen.max_new_tokens) // 64) * 64
+    chunk = min(tc.logprob_chunk_tokens, micro_tokens)
+
+    activations = world * micro_tokens * activation_bytes_per_token(hf_config, checkpointing=tc.activation_checkpointing)
+    parts = {
+        "this process now": baseline_bytes,
+        "further rank processes": (world - 1) * RANK_PROCESS_BYTES,
+        "trainer weights+gradients+AdamW": 4 * FP32 * parameters,
+        "reference weights": FP32 * parameters if use_kl else 0,
+        "engine weights": engine_bytes_per_param * parameters,
+        "engine KV cache": slots * capacity * kv_bytes_per_token,
+        # training holds activations and a logits chunk; a weight sync holds a full fp32 copy instead
+        "largest micro-batch activations+mask+logits chunk": max(
+            activations + world * rows_in_micro * longest * longest * FP32 + world * LOGIT_COPIES * chunk * vocab * FP32,
+            FP32 * parameters,
+        ),
+    }
+    return MemoryEstimate(parts=parts, largest_micro_batch_tokens=micro_tokens)
+
+
+def usable_memory_bytes() -> int:
+    """What this process may still take, plus what it holds: the smaller of the machine's
+    MemAvailable and the headroom under this process's cgroup limit (v2 or v1)."""
+    import psutil
+
+    available = psutil.virtual_memory().available
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit_file) as f:
+                limit = f.read().strip()
+            with open(usage_file) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 2**60:
+            available = min(available, int(limit) - usage)
+        break
+    return max(0, available) + psutil.Process().memory_info().rss
+
+
+def check_step_memory(cfg: Config, *, usable: int | None = None) -> MemoryEstimate | None:
+    """Refuse (``ConfigError`` on ``trainer.micro_batch_tokens``) a configuration whose estimated peak
+    exceeds the memory this process may use; return the estimate otherwise (None when the model's
+    config cannot be read yet: the demo model is prepared later, a missing path is refused elsewhere)."""
+    import psutil
+
+    if cfg.model.config is None and not os.path.isfile(os.path.join(os.path.expanduser(cfg.model.path or ""), "config.json")):
+        return None
+    estimate = estimate_step_memory(cfg, baseline_bytes=psutil.Process().memory_info().rss)
+    usable = usable_memory_bytes() if usable is None else usable
+    if estimate.total <= usable:
+        return estimate
+    tc = cfg.trainer
+    message = (
+        f"the training step would need about {estimate.total / GIB:.1f} GiB but this process may use "
+        f"{usable / GIB:.1f} GiB (MemAvailable / cgroup limit); estimate in GiB: {estimate.describe()}. "
+        f"The largest micro-batch holds {estimate.largest_micro_batch_tokens} padded tokens. Lower it with "
+        f"trainer.micro_batch_tokens (now {tc.micro_batch_tokens}) or trainer.micro_batch_size "
+        f"(now {tc.micro_batch_size}), set trainer.activation_checkpointing=true (now "
+        f"{str(tc.activation_checkpointing).lower()}), lower trainer.logprob_chunk_tokens (now "
+        f"{tc.logprob_chunk_tokens}), rollout.max_prompt_tokens / rollout.max_response_tokens, or the "
+        f"samples decoded together (data.prompts_per_step x generation.n_samples, the engine's "
+        f"max_num_seqs); trainer.memory_check=false skips this check"
+    )
+    raise ConfigError([ConfigIssue(path="trainer.micro_batch_tokens", message=message)])

@@ -1,0 +1,103 @@
+"""The step's peak memory is estimated before any work; over what the process may use, the run is
+refused naming trainer.micro_batch_tokens and the other knobs. A failing step names its phase."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+
+from skyrl_core.config.errors import ConfigError
+from skyrl_core.config.loader import structure_config
+from skyrl_core.testing.backend_contract import TINY_QWEN3
+from skyrl_core.trainer.failure import RunActivity, StepFailedError
+from skyrl_core.trainer.memory_estimate import (
+    GIB,
+    activation_bytes_per_token,
+    check_step_memory,
+    estimate_step_memory,
+    usable_memory_bytes,
+)
+from skyrl_core.trainer.rl import train
+from tests.trainer.test_preflight import _config
+
+SMOLLM2_LIKE = {"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152,
+                "tie_word_embeddings": True}
+
+
+def _cfg(tmp_path, model=None, **trainer):
+    raw = _config(tmp_path, trainer=trainer, rollout={"max_prompt_tokens": 1024, "max_response_tokens": 512},
+                  generation={"n_samples": 4, "max_new_tokens": 64})
+    raw["model"] = {"config": model or SMOLLM2_LIKE}
+    return structure_config(raw)
+
+
+def _estimate(cfg, **kw):
+    return estimate_step_memory(cfg, baseline_bytes=0, parameters=kw.pop("parameters", 135_000_000), **kw)
+
+
+def test_activations_grow_linearly_in_micro_batch_tokens_and_checkpointing_lowers_them(tmp_path):
+    # 8 rows of 1536 tokens: budgets of 1, 2 and 4 rows
+    parts = [_estimate(_cfg(tmp_path, micro_batch_tokens=t)).parts for t in (1536, 3072, 6144)]
+    key = "largest micro-batch activations+mask+logits chunk"
+    steps = [parts[1][key] - parts[0][key], parts[2][key] - parts[1][key]]
+    assert steps[1] == 2 * steps[0] > 0  # linear: twice the tokens, twice the increase
+    assert all(p["trainer weights+gradients+AdamW"] == 16 * 135_000_000 for p in parts)
+    full = activation_bytes_per_token(_hf(SMOLLM2_LIKE), checkpointing=False)
+    ckpt = activation_bytes_per_token(_hf(SMOLLM2_LIKE), checkpointing=True)
+    assert 1.4e6 < full < 2.0e6 and ckpt < full / 8  # ~1.7 MB vs ~0.13 MB per token (SmolLM2, measured 1.6)
+
+
+def _hf(config):
+    from skyrl_core.models import build_hf_config
+
+    return build_hf_config(dict(config))
+
+
+def test_vocabulary_enters_only_through_one_logits_chunk(tmp_path):
+    small = _estimate(_cfg(tmp_path, model={**SMOLLM2_LIKE, "vocab_size": 32_000}))
+    large = _estimate(_cfg(tmp_path, model={**SMOLLM2_LIKE, "vocab_size": 128_000}))
+    key = "largest micro-batch activations+mask+logits chunk"
+    chunk = _cfg(tmp_path).trainer.logprob_chunk_tokens
+    assert large.parts[key] - small.parts[key] == 6 * chunk * (128_000 - 32_000) * 4
+
+
+def test_an_absurd_budget_is_refused_before_any_work_naming_the_knobs(tmp_path):
+    raw = _config(tmp_path, trainer={"micro_batch_tokens": 10**9, "micro_batch_size": 10**6},
+                  rollout={"max_prompt_tokens": 10**6, "max_response_tokens": 10**5})
+    raw["model"] = {"config": dict(TINY_QWEN3)}
+    cfg = structure_config(raw)
+    with pytest.raises(ConfigError) as caught:
+        train(cfg)
+    text = str(caught.value)
+    assert "trainer.micro_batch_tokens" in text and "GiB" in text
+    for knob in ("trainer.activation_checkpointing", "trainer.micro_batch_size", "trainer.logprob_chunk_tokens",
+                 "rollout.max_prompt_tokens", "trainer.memory_check=false"):
+        assert knob in text
+    assert not os.path.exists(cfg.trainer.output_dir)  # nothing written, nothing loaded
+    # negative control: the same config fits when the machine is said to be large enough
+    assert check_step_memory(cfg, usable=10**18) is not None
+
+
+def test_a_small_run_fits_and_the_usable_memory_is_read():
+    usable = usable_memory_bytes()
+    assert 0.25 * GIB < usable < 2**50
+
+
+def test_a_failing_step_names_its_step_and_phase(tmp_path):
+    activity = RunActivity(str(tmp_path / "metrics.jsonl"))
+    with pytest.raises(StepFailedError) as caught:
+        with contextlib.ExitStack() as stack:
+            stack.push(activity.on_exit)
+            activity.now(3, "training (forward_backward and optimizer steps)")
+            raise MemoryError("cannot allocate 4 GB")
+    message = str(caught.value)
+    assert message.startswith("step 3 failed while training (forward_backward and optimizer steps): MemoryError")
+    assert str(tmp_path / "metrics.jsonl") in message and isinstance(caught.value.__cause__, MemoryError)
+    # config errors pass through as they are
+    with pytest.raises(ConfigError):
+        with contextlib.ExitStack() as stack:
+            stack.push(activity.on_exit)
+            raise ConfigError([])
