@@ -647,6 +647,33 @@ def test_sysv_shared_memory_cannot_grow_past_the_budget():
     assert max(held, default=0) <= BUDGET, result.stdout
 
 
+@pytest.mark.parametrize("bound", ["cgroup", "address_space"])
+def test_memfd_files_cannot_grow_past_the_budget(bound, monkeypatch):
+    """RAM-backed anonymous files: outside /tmp's quota and outside RLIMIT_AS (nothing is mapped)."""
+    from skyrl_envs.sandbox import runner
+
+    limits = attrs.evolve(WHOLE, total_memory_bytes=512 * MIB) if bound == "address_space" else WHOLE
+    if bound == "address_space":
+        monkeypatch.setattr(runner, "make_cgroups", lambda *args: None)
+    result = attack(f"""
+        import os
+        held, files = 0, []
+        try:
+            while held < {2 * limits.total_memory_bytes}:
+                fd = os.memfd_create("fill")
+                files.append(fd)
+                for _ in range(4):  # 4 x 512 KiB per file: under file_size_bytes (2 MiB)
+                    os.write(fd, b"x" * {512 * 1024})
+                    held += {512 * 1024}
+        except OSError as error:
+            print("stopped", error.errno)
+        print("held", held, flush=True)
+    """, limits=attrs.evolve(limits, open_files=1024))
+    assert result.memory_bound == bound
+    held = [int(line.split()[1]) for line in result.stdout.splitlines() if line.startswith("held")]
+    assert max(held, default=0) <= limits.total_memory_bytes, result.stdout
+
+
 KEYCTL = {"x86_64": (248, 249, 250), "aarch64": (217, 218, 219)}[os.uname().machine]  # add_key, request_key, keyctl
 
 
@@ -738,6 +765,7 @@ def _dead_pid() -> int:
 
 def test_stale_sandbox_directories_of_dead_callers_are_removed():
     from skyrl_envs.sandbox import stale
+    from skyrl_envs.sandbox.cgroup import cgroup_parents
 
     killed = subprocess.Popen(
         [sys.executable, "-c", "from skyrl_envs.sandbox import run_python, SandboxLimits\n"
@@ -754,6 +782,8 @@ def test_stale_sandbox_directories_of_dead_callers_are_removed():
     try:
         removed = stale.remove_stale_sandboxes()
         assert set(leftovers) <= set(removed) and not any(path.exists() for path in leftovers)
+        for parent in set((cgroup_parents() or {}).values()):  # its cgroups too
+            assert not [p for p in parent.iterdir() if p.name.startswith(leftovers[0].name.rsplit("-", 1)[0])]
         assert live.exists() and live not in removed
     finally:
         live.rmdir()

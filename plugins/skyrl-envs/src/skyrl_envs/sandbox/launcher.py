@@ -65,10 +65,11 @@ PR_SET_SECCOMP = 22
 SECCOMP_MODE_FILTER = 2
 
 KEYCTL_JOIN_SESSION_KEYRING = 1
-# Per architecture: (AUDIT_ARCH, unshare, clone, clone3, add_key, request_key, keyctl, pivot_root).
+# Per architecture: (AUDIT_ARCH, unshare, clone, clone3, add_key, request_key, keyctl, pivot_root,
+# memfd_create).
 SYSCALLS = {
-    "x86_64": (0xC000003E, 272, 56, 435, 248, 249, 250, 155),
-    "aarch64": (0xC00000B7, 97, 220, 435, 217, 218, 219, 41),
+    "x86_64": (0xC000003E, 272, 56, 435, 248, 249, 250, 155, 319),
+    "aarch64": (0xC00000B7, 97, 220, 435, 217, 218, 219, 41, 279),
 }
 DEVICES = ("null", "zero", "full", "random", "urandom")
 # SysV IPC lives in the sandbox's IPC namespace and outlives a detach: none of it is needed, so
@@ -217,9 +218,10 @@ def join_cgroups(procs_fds):
 
 
 def seccomp_filter():
-    """BPF: deny new user namespaces (clone3 cannot be inspected: ENOSYS, libc falls back to clone)
-    and the keyring calls; every other ABI of this machine (x32, i386) is killed."""
-    arch, unshare, clone, clone3, add_key, request_key, keyctl, _ = SYSCALLS[os.uname().machine]
+    """BPF: deny new user namespaces (clone3 cannot be inspected: ENOSYS, libc falls back to clone),
+    the keyring calls and memfd_create (RAM-backed files outside /tmp's quota and every address-space
+    limit); every other ABI of this machine (x32, i386) is killed."""
+    arch, unshare, clone, clone3, add_key, request_key, keyctl, _, memfd_create = SYSCALLS[os.uname().machine]
     ld, jeq, jset, jge, ret = 0x20, 0x15, 0x45, 0x35, 0x06
     allow, kill = 0x7FFF0000, 0x80000000
     eperm, enosys = 0x00050000 | 1, 0x00050000 | 38
@@ -228,7 +230,8 @@ def seccomp_filter():
         (ld, 0, 0, 0),                                               # seccomp_data.nr
         (jge, 0, 1, 0x40000000), (ret, 0, 0, kill),                  # the x32 ABI
         (jeq, 0, 1, clone3), (ret, 0, 0, enosys),
-        (jeq, 2, 0, add_key), (jeq, 1, 0, request_key), (jeq, 0, 1, keyctl), (ret, 0, 0, eperm),
+        (jeq, 3, 0, add_key), (jeq, 2, 0, request_key), (jeq, 1, 0, keyctl), (jeq, 0, 1, memfd_create),
+        (ret, 0, 0, eperm),
         (jeq, 1, 0, unshare), (jeq, 0, 3, clone),
         (ld, 0, 0, 16),                                              # args[0], low 32 bits: the flags
         (jset, 0, 1, CLONE_NEWUSER), (ret, 0, 0, eperm),
