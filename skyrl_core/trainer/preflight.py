@@ -64,6 +64,16 @@ def check_run_inputs(cfg: Any, *, smollm2_dir: str | None = None, plugin_manager
 
     _check_model(issues, cfg, smollm2_dir)
 
+    resume_from = check_run_location(issues, cfg, plugin_manager)
+    if issues:
+        raise ConfigError(issues)
+    return RunInputs(train_rows=train_rows, eval_rows=eval_rows, resume_from=resume_from)
+
+
+def check_run_location(issues: list[ConfigIssue], cfg: Any, plugin_manager: Any) -> str | None:
+    """The checks every trainer shares (RL, SFT): ``trainer.resume`` is a checkpoint of this
+    format, ``trainer.output_dir`` can hold this run, the selected components can run here.
+    Appends to ``issues``; returns the checkpoint directory to resume from (or None)."""
     resume_from = None
     if cfg.trainer.resume:
         from skyrl_core.trainer.checkpoint import read_trainer_state, resolve_checkpoint
@@ -73,13 +83,9 @@ def check_run_inputs(cfg: Any, *, smollm2_dir: str | None = None, plugin_manager
             read_trainer_state(resume_from)
         except (FileNotFoundError, ValueError) as exc:
             issues.append(ConfigIssue("trainer.resume", str(exc).removeprefix("trainer.resume=")))
-
     _check_output_dir(issues, cfg, resume_from)
     _check_components(issues, cfg, plugin_manager)
-
-    if issues:
-        raise ConfigError(issues)
-    return RunInputs(train_rows=train_rows, eval_rows=eval_rows, resume_from=resume_from)
+    return resume_from
 
 
 def _dataset(issues: list[ConfigIssue], key: str, path: str, env: str) -> list[dict[str, Any]]:
