@@ -36,7 +36,7 @@ $(STAMP): pyproject.toml $(wildcard plugins/*/pyproject.toml) requirements/cpu.t
 	@touch $(STAMP)
 
 demo: venv
-	$(BIN)/skyrl train examples/quickstart.yaml
+	$(BIN)/skyrl train examples/quickstart.yaml trainer.overwrite=true  # rerunnable: replaces the last demo run
 
 # One rerun of a failed test: the suite runs real multi-process systems (Ray, vLLM, sandboxes) whose
 # resource limits can trip on a loaded 2-core machine; a test that is really broken fails twice.
