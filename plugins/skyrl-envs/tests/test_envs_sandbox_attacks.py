@@ -740,6 +740,16 @@ def test_only_the_interpreter_and_system_libraries_are_visible(world_writable_di
     assert set(root) <= {"usr", "bin", "lib", "lib64", "lib32", "libx32", "sbin", "dev", "proc", "tmp", "root"}, root
 
 
+def test_site_packages_are_shown_only_when_asked():
+    base_site = Path(os.path.realpath(sys.base_prefix)) / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
+    program = f"import os\nprint(len(os.listdir({str(base_site)!r})))"
+    assert run_python(program, "", LIMITS).stdout == "0\n"
+    if base_site.is_dir() and any(base_site.iterdir()):
+        assert int(run_python(program, "", attrs.evolve(LIMITS, site_packages=True)).stdout) > 0
+    with pytest.raises(ValueError, match="site_packages must be true or false"):
+        SandboxLimits(site_packages="yes")
+
+
 # --- model text never stops a run; stale sandboxes are cleaned up -------------------------------
 
 

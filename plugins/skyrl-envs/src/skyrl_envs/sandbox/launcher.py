@@ -269,12 +269,16 @@ def drop_privileges(config, privileged):
 
 
 def run_program(config, privileged, status_fd, procs_fds):
+    try:  # a step that fails here means the sandbox is incomplete: refuse, as for the launcher's steps
+        os.chdir("/tmp")
+        join_cgroups(procs_fds)
+        set_limits(config)
+        drop_privileges(config, privileged)
+        install_seccomp()  # after no_new_privs (required), last before exec
+    except (SetupError, OSError, ValueError) as error:
+        write_status(status_fd, error=f"preparing the program: {error}")
+        os._exit(127)
     os.close(status_fd)
-    os.chdir("/tmp")
-    join_cgroups(procs_fds)
-    set_limits(config)
-    drop_privileges(config, privileged)
-    install_seccomp()  # after no_new_privs (required), last before exec
     os.execve(config["python"], [config["python"], "-I", "-B", "main.py"], config["env"])
 
 
@@ -297,6 +301,8 @@ def run_init(config, privileged, status_fd, alive_fd, procs_fds):
         except BaseException as error:  # exec failed: say so on the program's stderr
             os.write(2, f"sandbox: cannot start the program: {error}\n".encode())
         os._exit(127)
+    for fd in procs_fds:  # only the program joins the cgroups; init keeps no handle on them
+        os.close(fd)
     while True:
         pid, status = os.waitpid(-1, 0)
         if pid == program:

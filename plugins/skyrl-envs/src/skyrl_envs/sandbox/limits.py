@@ -14,6 +14,11 @@ def _positive(instance: object, attribute: attrs.Attribute, value: float) -> Non
         raise ValueError(f"sandbox limit {attribute.name} must be a positive number, got {value!r}")
 
 
+def _boolean(attribute: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"sandbox {attribute.name} must be true or false, got {value!r}")
+
+
 _RESERVED = ("", "/tmp", "/proc", "/dev")  # the sandbox's own mounts
 
 
@@ -56,6 +61,9 @@ class SandboxLimits:
                                     metadata={"help": "stdout and stderr caps each; the run is killed past them"})
     uid_base: int = attrs.field(default=1_000_000, validator=_positive,
                                 metadata={"help": "when root: the program runs as uid_base + launcher pid"})
+    site_packages: bool = attrs.field(
+        default=False, validator=lambda instance, attribute, value: _boolean(attribute, value), metadata={"help": "show the site-packages under the visible paths (third-party libraries); off: "
+                                         "the standard library only, and no installed package's data (answer keys)"})
     visible_paths: tuple[str, ...] = attrs.field(
         default=("/usr", "/bin", "/lib", "/lib64", "/lib32", "/libx32", "/sbin"),
         converter=tuple, validator=_absolute_paths,

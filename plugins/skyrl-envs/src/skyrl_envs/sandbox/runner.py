@@ -175,7 +175,7 @@ def visible_paths(python: str, limits: SandboxLimits) -> tuple[list[str], list[s
     shown_real = [os.path.realpath(p) for p in shown]
     extra = sorted(p for p in interpreter if not any(p == v or p.startswith(v.rstrip("/") + "/") for v in shown_real))
     covered = set()
-    for root in shown + extra:
+    for root in (shown + extra) if not limits.site_packages else ():
         for pattern in ("lib/python3*/site-packages", "lib/python3*/dist-packages", "lib/python3/dist-packages",
                         "local/lib/python3*/*-packages", "lib64/python3*/site-packages"):
             covered.update(os.path.realpath(p) for p in glob.glob(os.path.join(root, pattern)))
