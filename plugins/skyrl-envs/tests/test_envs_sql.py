@@ -290,3 +290,26 @@ def test_sorting_more_than_the_heap_limit_fails_fast_in_memory(db_dir):
     assert seen.startswith("Error: the query"), seen[:200]  # out of memory or out of time, never finished
     assert written < 1024 * 1024, written  # the sort spilled nothing to temporary files
     assert elapsed < 2.5 and growth < env.options.sqlite_heap_bytes + 64 * 1024 * 1024, (elapsed, growth / 2**20)
+
+
+EXPENSIVE = [
+    "SELECT printf('%.*c', 99000, 'a') LIKE '" + "%a" * 20 + "%b'",   # backtracking patterns
+    "SELECT printf('%.*c', 99000, 'a') GLOB '" + "*a" * 20 + "*b'",
+    "SELECT instr(printf('%.*c', 99000, 'a'), printf('%.*c', 50000, 'a') || 'b')",
+    "SELECT replace(replace(replace(printf('%.*c', 99000, 'a'), 'a', 'aa'), 'a', 'aa'), 'a', 'aa')",
+    "SELECT group_concat(printf('%.*c', 99000, 'a')) FROM customers",
+    "SELECT json('" + "[" * 5000 + "]" * 5000 + "')",
+    "SELECT count(*) FROM customers a, customers b, customers c, customers d, customers e, customers f, "
+    "customers g, customers h, customers i",
+    'SELECT 1 AS "' + "c" * 5000 + '"',
+]
+
+
+@pytest.mark.parametrize("query", EXPENSIVE)
+def test_expensive_allowed_functions_stay_within_the_bounds(db_dir, query):
+    env = make_env(db_dir, max_turns=2)
+    env.reset(LISBON)
+    started = time.monotonic()
+    seen = env.step(f"<sql>{query}</sql>").observation[0]["content"]
+    assert time.monotonic() - started < TIMEOUT + 1.0
+    assert len(seen) <= env.options.max_observation_chars + 100
