@@ -30,6 +30,33 @@ def _optional_positive_int(instance: Any, attribute: attrs.Attribute, value: Any
         _positive_int(instance, attribute, value)
 
 
+def _lora_targets(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    from skyrl_core.lora import TARGET_GROUPS  # light: no torch, no peft at import
+
+    unknown = [t for t in value if t not in TARGET_GROUPS]
+    if not value or unknown:
+        raise ValueError(f"targets must be a non-empty list of {', '.join(TARGET_GROUPS)}; got {list(value)!r}")
+
+
+def _positive_float(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{attribute.name} must be a number > 0; got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class LoraOptions:
+    """A LoRA adapter (peft) trained instead of the full weights (``backend.options.lora``)."""
+
+    rank: int = attrs.field(validator=_positive_int, metadata={"help": "LoRA rank r"})
+    alpha: float = attrs.field(default=32.0, validator=_positive_float, metadata={"help": "scale alpha / r of the adapter's product"})
+    targets: tuple[str, ...] = attrs.field(
+        default=("attn", "mlp"),
+        converter=tuple,
+        validator=_lora_targets,
+        metadata={"help": "layer groups: attn (q/k/v/o_proj), mlp (gate/up/down_proj), unembed (lm_head, untied only)"},
+    )
+
+
 @attrs.frozen(kw_only=True)
 class FSDPOptions:
     """How the FSDP2 backend shards, computes and places ranks."""
@@ -74,5 +101,12 @@ class FSDPOptions:
         metadata={
             "help": "world_size > 1: on close, keep the rank processes idle in this Ray session for the next "
             "backend instead of killing them (saves a process start and imports per rank)"
+        },
+    )
+    lora: LoraOptions | None = attrs.field(
+        default=None,
+        metadata={
+            "help": "train a LoRA adapter ({rank, alpha, targets}) on frozen base weights; exported and saved "
+            "weights are the adapter merged into the base (skyrl_core.lora.merged_weight)"
         },
     )

@@ -46,6 +46,7 @@ from skyrl_core.ops import prepare_model, site_scope
 from skyrl_core.ops.chunked_logprobs import response_logprobs
 from skyrl_core.types import TrainingBatch
 from skyrl_fsdp.hf_io import read_hf_weights, tied_aliases, write_hf_dir
+from skyrl_fsdp.lora import apply_lora, hf_state_dict, read_adapter, save_adapter
 from skyrl_fsdp.options import FSDPOptions
 from skyrl_core.lr_schedule import lr_factor
 
@@ -154,6 +155,8 @@ class FSDPRank:
             defaults["linear"] = ONEDNN_LINEAR
         self.ledger = prepare_model(self.model, "trainer", compute_dtype=compute_dtype, defaults=defaults)
         self.aliases = tied_aliases(self.model)
+        if options.lora is not None:  # after the op sites: the adapter's own small products stay stock
+            apply_lora(self.model, options.lora, seed)
         if trainer.activation_checkpointing:
             checkpoint_layers(decoder_layers(self.model))
         self.model.to(self.device)
@@ -267,10 +270,14 @@ class FSDPRank:
 
     # --- state ---------------------------------------------------------------------------------
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Unsharded fp32 weights by Hugging Face name on rank 0 (CPU); ``{}`` on other ranks.
+    def full_state_dict(self, *, lora_names: bool = False) -> dict[str, torch.Tensor]:
+        """Unsharded fp32 weights by Hugging Face name on rank 0 (CPU); ``{}`` on other ranks. With
+        LoRA, the adapter merged into the base weights (``lora_names``: peft's names, unmerged).
         Collective: every rank must call it."""
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.options.lora is None or lora_names or not state:
+            return state
+        return hf_state_dict(state, self.options.lora)
 
     def _tokenizer(self) -> Any:
         if self.model_config.tokenizer is None and self.model_config.path is None:
@@ -287,7 +294,7 @@ class FSDPRank:
     def save_checkpoint(self, path: str) -> None:
         """Rank 0 writes weights (a Hugging Face directory), optimizer and trainer state (step,
         every rank's RNG) into the existing ``path``. Collective."""
-        weights = self.full_state_dict()
+        weights = self.full_state_dict(lora_names=True)
         if self.optimizer.state:
             optim = get_optimizer_state_dict(
                 self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -297,6 +304,9 @@ class FSDPRank:
         rng_states: list[Any] = [None] * self.world_size
         dist.all_gather_object(rng_states, _rng_state())
         if self.rank == 0:
+            if self.options.lora is not None:  # the merged model for readers, the adapter for resuming
+                save_adapter(path, weights)
+                weights = hf_state_dict(weights, self.options.lora)
             write_hf_dir(path, weights, self.model.config, self.aliases, self._tokenizer())
             save_state(os.path.join(path, OPTIMIZER_FILE), optim)
             state = {
@@ -314,7 +324,10 @@ class FSDPRank:
         if state.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"{path}: checkpoint format {state.get('format')!r}, this backend reads {CHECKPOINT_FORMAT}")
         full = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(self.model, read_hf_weights(path, self.aliases), options=full)
+        if self.options.lora is not None:  # the base weights are frozen: only the adapter moved
+            set_model_state_dict(self.model, read_adapter(path), options=StateDictOptions(full_state_dict=True, strict=False))
+        else:
+            set_model_state_dict(self.model, read_hf_weights(path, self.aliases), options=full)
         optim = load_state(os.path.join(path, OPTIMIZER_FILE))
         if optim:
             set_optimizer_state_dict(self.model, self.optimizer, optim, options=full)
