@@ -36,6 +36,20 @@ def _one_of(*allowed: Any):
     return check
 
 
+def _one_of_built(built: tuple[Any, ...], planned: tuple[Any, ...]):
+    """Like ``_one_of``, but names the values that are planned and not built yet, so that a user who
+    asks for one is refused plainly instead of silently getting something else."""
+
+    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if value in planned:
+            raise ValueError(f"{value!r} is not built yet (planned); built now: {', '.join(map(str, built))}")
+        if value not in built:
+            raise ValueError("not one of the allowed values")
+
+    check.allowed = built  # type: ignore[attr-defined]
+    return check
+
+
 @attrs.frozen(kw_only=True)
 class Selection:
     """A pluggable component chosen by name, with that component's own options."""
@@ -256,7 +270,10 @@ class TrainerConfig:
         metadata=_help("start in a non-empty output_dir anyway, deleting the run files there (config.yaml, "
                        "metrics, plot, checkpoints/); false: such a directory is refused unless resumed"),
     )
-    mode: str = attrs.field(default="sync", validator=_one_of("sync", "one_step_off", "fully_async"), metadata=_help("training mode"))
+    mode: str = attrs.field(
+        default="sync", validator=_one_of_built(built=("sync",), planned=("one_step_off", "fully_async")),
+        metadata=_help("training mode"),
+    )
     reuse_rollout_logprobs: bool = attrs.field(
         default=False, metadata=_help("use engine logprobs as old logprobs (only safe with a verified execution contract)")
     )
