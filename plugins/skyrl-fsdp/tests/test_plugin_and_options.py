@@ -31,7 +31,7 @@ def test_fsdp_is_registered_with_its_options_class():
     "options, message",
     [
         ({"world_size": 0}, "world_size must be an integer >= 1; got 0"),
-        ({"mixed_precision": "fp16"}, "mixed_precision must be one of fp32, bf16; got 'fp16'"),
+        ({"mixed_precision": "fp16"}, "mixed_precision must be one of auto, fp32, bf16; got 'fp16'"),
         ({"device": "tpu"}, "device must be one of auto, cpu, cuda; got 'tpu'"),
         ({"threads_per_rank": 0}, "threads_per_rank must be an integer >= 1; got 0"),
     ],

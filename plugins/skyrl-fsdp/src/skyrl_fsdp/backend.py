@@ -19,6 +19,7 @@ from skyrl_core.config.schema import ModelConfig, TrainerConfig
 from skyrl_core.interfaces import LossFn
 from skyrl_core.types import TrainingBatch
 from skyrl_fsdp.options import FSDPOptions
+from skyrl_fsdp.precision import with_model_precision
 from skyrl_fsdp.rank import TRAINER_STATE_FILE, FSDPRank
 
 
@@ -55,7 +56,7 @@ class FSDPBackend(RankDriver):
             options = FSDPOptions()
         elif isinstance(options, dict):
             options = FSDPOptions(**options)
-        self.options = options
+        options = self.options = with_model_precision(options, model)  # "auto" follows model.dtype
         self.trainer = trainer or TrainerConfig()
         self.world_size = options.world_size
         self._use_gpu = wants_gpu(options.device)

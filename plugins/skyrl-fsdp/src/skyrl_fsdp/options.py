@@ -6,7 +6,7 @@ from typing import Any
 
 import attrs
 
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 CPU_GEMMS = ("onednn", "torch")
 
@@ -67,9 +67,12 @@ class FSDPOptions:
         metadata={"help": "data-parallel ranks; 1 runs in-process, N > 1 runs N Ray actors on this machine"},
     )
     mixed_precision: str = attrs.field(
-        default="fp32",
+        default="auto",
         validator=_one_of(*PRECISIONS),
-        metadata={"help": "fp32: compute in fp32; bf16: compute in bf16 with fp32 master weights and fp32 gradient reduction"},
+        metadata={
+            "help": "auto: follow model.dtype (bfloat16: bf16 compute with fp32 master weights, gradient reduction "
+            "and optimizer; float32: fp32); fp32 or bf16 must agree with model.dtype (refused otherwise)"
+        },
     )
     device: str = attrs.field(
         default="auto",

@@ -13,6 +13,7 @@ def skyrl_register_training_backends(register) -> None:
             name="fsdp",
             factory="skyrl_fsdp.backend:FSDPBackend",
             options="skyrl_fsdp.options:FSDPOptions",
+            preflight="skyrl_fsdp.precision:problems",
             description="FSDP2 data-parallel training (gloo on CPU, nccl on GPU; N ranks as Ray actors)",
         )
     )

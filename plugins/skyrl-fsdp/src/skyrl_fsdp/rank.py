@@ -116,8 +116,9 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 class FSDPRank:
     """The policy shard and optimizer of rank ``rank`` of ``world_size``.
 
-    Master weights are always fp32 (``ModelConfig.dtype`` is the engine's concern); with
-    ``mixed_precision="bf16"`` FSDP gathers them as bf16 for compute and reduces gradients in fp32.
+    Master weights are always fp32; with ``mixed_precision="bf16"`` (what ``model.dtype: bfloat16``
+    resolves to, ``skyrl_fsdp.precision``) FSDP gathers them as bf16 for compute and reduces
+    gradients in fp32.
     The model stays in eval mode: dropout off, so scoring and training see the same function.
     """
 
