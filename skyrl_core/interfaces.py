@@ -28,7 +28,19 @@ class InferenceEngine(Protocol):
         """
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load new weights in place (Hugging Face parameter names); drop any cached prefixes."""
+        """Load new weights in place (Hugging Face parameter names); drop any cached prefixes.
+
+        An engine with ``supports_pause`` also takes ``version=`` (the policy version stamped on
+        every token chosen afterwards, ``GeneratedSample.token_versions``) and may be called while
+        paused: in-flight samples then continue under the new weights.
+        """
+
+    def pause(self) -> None:
+        """Stop in-flight samples at a token boundary, keeping their state (KV cache); return once
+        stopped. Engines that cannot (``supports_pause = False``) raise ``NotImplementedError``."""
+
+    def resume(self) -> None:
+        """Continue the samples ``pause`` stopped."""
 
     def execution_contract(self) -> dict[str, Any]:
         """What this engine installed at each op site (see ``skyrl_core.ops``), JSON-able."""

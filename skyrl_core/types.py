@@ -88,6 +88,9 @@ class GeneratedSample:
     logprobs: tuple[float, ...] = attrs.field(converter=tuple)
     text: str
     stop_reason: str
+    # The policy version that sampled each token (an engine that takes weights while paused stamps
+    # them; empty: the engine does not, and the rollout stamps the version it sent the request under).
+    token_versions: tuple[int, ...] = attrs.field(default=(), converter=tuple)
 
 
 # --- environments ------------------------------------------------------------------------------
@@ -131,6 +134,8 @@ class TrainingBatch:
     ref_logprobs: torch.Tensor | None = None
     values: torch.Tensor | None = None
     token_weights: torch.Tensor | None = None
+    # [B, R] long: the policy version that sampled each trained token (-1 on padding and environment tokens).
+    token_versions: torch.Tensor | None = None
 
     @property
     def response_len(self) -> int:

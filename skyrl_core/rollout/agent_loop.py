@@ -94,6 +94,9 @@ class RolloutGenerator:
         self.max_turns = max_turns
         self.max_prompt_tokens = max_prompt_tokens
         self.max_response_tokens = max_response_tokens
+        # The policy version of the engine's weights, stamped on tokens the engine does not stamp
+        # itself (the loop sets it at every weight sync).
+        self.policy_version = 0
 
     def generate(
         self,
@@ -169,7 +172,8 @@ class RolloutGenerator:
     def _advance(self, ep: _Episode, sample: GeneratedSample, *, last_turn: bool) -> None:
         traj = ep.trajectory
         model_ids = list(sample.token_ids)
-        traj.segments.append(Segment(token_ids=model_ids, logprobs=sample.logprobs, trained=True))
+        versions = sample.token_versions or (self.policy_version,) * len(model_ids)
+        traj.segments.append(Segment(token_ids=model_ids, logprobs=sample.logprobs, trained=True, versions=versions))
         ep.context_ids.extend(model_ids)
         traj.messages.append({"role": "assistant", "content": sample.text})
         traj.stop_reason = sample.stop_reason

@@ -26,10 +26,17 @@ class Segment:
     token_ids: tuple[int, ...] = attrs.field(converter=tuple)
     logprobs: tuple[float, ...] = attrs.field(converter=tuple)
     trained: bool
+    # The policy version that sampled each token (model turns); environment tokens have none (-1).
+    versions: tuple[int, ...] = attrs.field(default=(), converter=tuple)
 
     def __attrs_post_init__(self) -> None:
         if len(self.token_ids) != len(self.logprobs):
             raise ValueError(f"segment has {len(self.token_ids)} tokens but {len(self.logprobs)} logprobs")
+        if self.versions and len(self.versions) != len(self.token_ids):
+            raise ValueError(f"segment has {len(self.token_ids)} tokens but {len(self.versions)} versions")
+
+    def token_versions(self) -> tuple[int, ...]:
+        return self.versions if self.versions and self.trained else (-1,) * len(self.token_ids)
 
 
 @attrs.define(kw_only=True)
@@ -65,6 +72,16 @@ class Trajectory:
         return [t for s in self.segments for t in s.token_ids]
 
     @property
+    def token_versions(self) -> list[int]:
+        """The policy version of every response token (-1: written by the environment)."""
+        return [v for s in self.segments for v in s.token_versions()]
+
+    @property
+    def versions(self) -> set[int]:
+        """The policy versions that sampled this episode's tokens."""
+        return {v for v in self.token_versions if v >= 0}
+
+    @property
     def model_token_count(self) -> int:
         return sum(len(s.token_ids) for s in self.segments if s.trained)
 
@@ -78,7 +95,7 @@ class Trajectory:
         return TrainingSample(
             prompt_ids=tuple(self.prompt_ids), response_ids=tuple(ids), loss_mask=tuple(mask),
             logprobs=tuple(logprobs), reward=self.reward, group_id=self.group_id,
-            trajectory_id=self.trajectory_id, is_last_step=True,
+            trajectory_id=self.trajectory_id, is_last_step=True, versions=tuple(self.token_versions),
         )
 
     def step_samples(self) -> list[TrainingSample]:
@@ -95,7 +112,7 @@ class Trajectory:
                 samples.append(TrainingSample(
                     prompt_ids=tuple(context), response_ids=seg.token_ids, loss_mask=(1.0,) * len(seg.token_ids),
                     logprobs=seg.logprobs, reward=self.reward, group_id=self.group_id,
-                    trajectory_id=self.trajectory_id, is_last_step=i == trained[-1],
+                    trajectory_id=self.trajectory_id, is_last_step=i == trained[-1], versions=seg.token_versions(),
                 ))
             context.extend(seg.token_ids)
         return samples
@@ -113,6 +130,7 @@ class TrainingSample:
     group_id: str
     trajectory_id: str
     is_last_step: bool
+    versions: tuple[int, ...] = ()  # per response token; -1 on environment tokens
 
 
 def training_samples(trajectories: Sequence[Trajectory], *, stepwise: bool) -> list[TrainingSample]:
@@ -122,7 +140,8 @@ def training_samples(trajectories: Sequence[Trajectory], *, stepwise: bool) -> l
 
 
 def build_training_batch(samples: Sequence[TrainingSample], pad_token_id: int) -> TrainingBatch:
-    """Left-pad prompts and right-pad responses into a ``TrainingBatch`` (with ``rollout_logprobs``).
+    """Left-pad prompts and right-pad responses into a ``TrainingBatch`` (with ``rollout_logprobs``
+    and ``token_versions``: -1 on padding, environment tokens and samples that carry no versions).
 
     A response of zero tokens (an engine that stopped at once) still gets one column, fully masked.
     """
@@ -137,6 +156,7 @@ def build_training_batch(samples: Sequence[TrainingSample], pad_token_id: int) -
     attention = torch.zeros((B, P + R), dtype=torch.long)
     loss_mask = torch.zeros((B, R), dtype=torch.float32)
     logprobs = torch.zeros((B, R), dtype=torch.float32)
+    versions = torch.full((B, R), -1, dtype=torch.long)
     for row, s in enumerate(samples):
         p, r = len(s.prompt_ids), len(s.response_ids)
         input_ids[row, P - p:P] = torch.tensor(s.prompt_ids, dtype=torch.long)
@@ -146,9 +166,11 @@ def build_training_batch(samples: Sequence[TrainingSample], pad_token_id: int) -
             attention[row, P:P + r] = 1
             loss_mask[row, :r] = torch.tensor(s.loss_mask, dtype=torch.float32)
             logprobs[row, :r] = torch.tensor(s.logprobs, dtype=torch.float32)
+            if s.versions:
+                versions[row, :r] = torch.tensor(s.versions, dtype=torch.long)
     return TrainingBatch(
         input_ids=input_ids, attention_mask=attention, loss_mask=loss_mask,
-        group_ids=tuple(s.group_id for s in samples), rollout_logprobs=logprobs,
+        group_ids=tuple(s.group_id for s in samples), rollout_logprobs=logprobs, token_versions=versions,
     )
 
 

@@ -27,6 +27,12 @@ loads weights another way). The suite checks:
   temperature-scaled distribution is measurably different);
 - ``update_weights`` makes outputs follow the new weights (and back); unknown names and wrong
   shapes are refused naming the tensor;
+- ``pause``/``resume`` (engines with ``supports_pause``): a pause stops in-flight samples at a token
+  boundary (no progress while paused, by the engine's ``in_flight()`` bookkeeping); weights loaded
+  while paused take effect from the next token (each token stamped with its policy version, the
+  count before the switch equal to what the bookkeeping showed at the pause); after ``resume`` the
+  same requests finish with no token lost or duplicated (equal to an uninterrupted run when the
+  weights are the same). Engines without it refuse ``pause`` with ``NotImplementedError``;
 - ``sleep``/``wake`` keep generation working and unchanged; ``close`` is idempotent;
 - ``execution_contract()`` is JSON-able and names the engine's op sites.
 """
@@ -35,6 +41,8 @@ from __future__ import annotations
 
 import copy
 import json
+import threading
+import time
 from typing import Any, Callable, Sequence
 
 import pytest
@@ -340,6 +348,72 @@ class EngineContract:
         name, param = next(iter(reference_model.named_parameters()))
         with pytest.raises(ValueError, match="shape"):
             engine.update_weights([(name, torch.zeros(*param.shape, 3))])
+
+    # --- pause / resume with in-flight weight updates --------------------------------------------
+
+    def test_pause_resume_loses_and_duplicates_no_token(self, engine, reference_model, prompts):
+        if not getattr(engine, "supports_pause", False):
+            with pytest.raises(NotImplementedError, match="pause"):
+                engine.pause()
+            return
+        # 6 samples: more than a small engine's slots, so some wait (unadmitted) through the pause
+        reqs = [request(p, f"p{i}", n=2, max_tokens=40, seed=20 + i) for i, p in enumerate(prompts[:3])]
+        expected = engine.generate(reqs)
+        original = {name: p.detach().clone() for name, p in reference_model.named_parameters()}
+        version = engine.policy_version
+        counts_at_pause = self._generate_with_a_pause(engine, reqs, original.items(), version + 1)
+        got, at_pause = counts_at_pause
+        for req, want, have in zip(reqs, expected, got):
+            for s_want, s_have in zip(want, have):
+                assert list(s_have.token_ids) == list(s_want.token_ids)  # nothing lost, nothing twice
+                assert len(s_have.token_versions) == len(s_have.token_ids)
+                old = sum(v == version for v in s_have.token_versions)
+                assert set(s_have.token_versions) <= {version, version + 1}
+                assert list(s_have.token_versions) == sorted(s_have.token_versions)
+                # finished before the pause: not in flight, every token of the old version
+                assert old == at_pause.get((req.request_id, s_have.sample_index), len(s_have.token_ids))
+        assert any(0 < n < 40 for n in at_pause.values()), at_pause  # the pause really was mid-stream
+
+    def test_weights_loaded_while_paused_apply_from_the_next_token(self, engine, reference_model, prompts):
+        if not getattr(engine, "supports_pause", False):
+            return  # (refusal checked above)
+        original = {name: p.detach().clone() for name, p in reference_model.named_parameters()}
+        gen = torch.Generator().manual_seed(99)
+        perturbed = {name: p + 0.3 * torch.randn(p.shape, generator=gen) for name, p in original.items()}
+        reqs = [request(prompts[0], "w", n=1, max_tokens=40, temperature=0.0)]
+        expected = engine.generate(reqs)[0][0]
+        version = engine.policy_version
+        try:
+            (got,), at_pause = self._generate_with_a_pause(engine, reqs, perturbed.items(), version + 7)
+        finally:
+            engine.update_weights(original.items(), version=version)
+        s = got[0]
+        switched = at_pause[("w", 0)]
+        assert list(s.token_versions) == [version] * switched + [version + 7] * (len(s.token_ids) - switched)
+        assert list(s.token_ids[:switched]) == list(expected.token_ids[:switched])
+        assert list(s.token_ids) != list(expected.token_ids)  # the later tokens follow the new weights
+
+    @staticmethod
+    def _generate_with_a_pause(engine, reqs, weights, version):
+        """Generate ``reqs`` in a thread; pause once some sample has a few tokens, check that nothing
+        moves while paused, load ``weights`` as ``version``, resume. Returns the output and the
+        token count of each (request id, sample index) at the pause."""
+        result: dict[str, Any] = {}
+        thread = threading.Thread(target=lambda: result.update(out=engine.generate(reqs)))
+        thread.start()
+        deadline = time.monotonic() + 60
+        while not any(n >= 3 for n in engine.in_flight().values()):
+            assert thread.is_alive() and time.monotonic() < deadline, "generation ended before it could be paused"
+            time.sleep(0.0005)
+        engine.pause()
+        at_pause = engine.in_flight()
+        time.sleep(0.05)
+        assert engine.in_flight() == at_pause  # nothing moves while paused
+        engine.update_weights(weights, version=version)
+        engine.resume()
+        thread.join(timeout=120)
+        assert not thread.is_alive()
+        return result["out"], at_pause
 
     # --- lifecycle -------------------------------------------------------------------------------
 

@@ -135,6 +135,7 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
         # A plugin (IsoExec) may vouch that the engine's logprobs are the trainer's bits: see step 2.
         verdict = handshake(pm, backend, engine)
         engine.update_weights(backend.export_weights())
+        generator.policy_version = start_step  # every token carries the version that sampled it
         skip_old_logprobs = tc.reuse_rollout_logprobs or verdict.reuse_rollout_logprobs
         # One optimizer step per rollout, nothing that needs old logprobs before training: see step 2.
         single_update = (tc.ppo_epochs == 1 and tc.mini_batches == 1 and kl_cfg.use_as != "reward"
@@ -238,6 +239,7 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
                 t = time.perf_counter()
                 handshake(pm, backend, engine)
                 engine.update_weights(backend.export_weights())
+                generator.policy_version = step
                 timings["time/weight_sync"] = time.perf_counter() - t
             else:
                 metrics["skipped"] = 1.0  # every group had equal rewards: nothing to learn from

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
+from skyrl_core.engine_pause import PauseNotSupported
 from skyrl_sglang import bootstrap
 from skyrl_sglang.mapping import flatten, gather
 from skyrl_sglang.options import SGLangOptions
@@ -39,7 +40,7 @@ def check_available() -> None:
         raise EngineUnavailableError(SGLANG_MISSING)
 
 
-class SGLangEngine:
+class SGLangEngine(PauseNotSupported):
     """Generates with ``sglang.Engine``; weights update in place with ``update_weights_from_tensor``.
 
     Before starting SGLang the engine sets ``SKYRL_SGLANG_WORKER=1`` (skyrl's bootstrap then runs in

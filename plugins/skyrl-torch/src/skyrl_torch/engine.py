@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import heapq
 import itertools
+import threading
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import attrs
@@ -47,6 +48,14 @@ if TYPE_CHECKING:
 
 
 @attrs.define(eq=False)
+class _Ticket:
+    """One ``generate`` call's samples still running, and the error that ended them, if any."""
+
+    remaining: int
+    error: BaseException | None = None
+
+
+@attrs.define(eq=False)
 class _Sample:
     """One continuation being generated."""
 
@@ -54,9 +63,11 @@ class _Sample:
     index: int
     generator: torch.Generator | None  # None for greedy samples (they draw nothing)
     stop_ids: frozenset[int]
+    ticket: _Ticket
     slot: int = -1
     token_ids: list[int] = attrs.field(factory=list)
     logprobs: list[float] = attrs.field(factory=list)
+    versions: list[int] = attrs.field(factory=list)  # the policy version that chose each token
     stop_reason: str | None = None
     text_end: int | None = None  # where a stop string starts in the decoded text
     text_checked: int = 0  # length of the decoded text already searched for stop strings
@@ -69,6 +80,8 @@ class _Sample:
 
 class TorchEngine:
     """``skyrl_core.interfaces.InferenceEngine`` in plain PyTorch over a transformers model."""
+
+    supports_pause = True  # pause/resume keep in-flight samples and their KV cache
 
     def __init__(self, model: ModelConfig, options: TorchEngineOptions | None = None, *, seed: int = 0) -> None:
         self.options = options if options is not None else TorchEngineOptions()
@@ -99,31 +112,84 @@ class TorchEngine:
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
         self._buffers = dict(self.model.named_buffers(remove_duplicate=False))
         self._closed = False
+        # Continuous batching across concurrent ``generate`` calls: one scheduler state, driven by
+        # one caller at a time (the others wait; the driver hands over when its own samples are done).
+        self.policy_version = 0  # stamped on every token chosen; set by update_weights
+        self._lock = threading.Condition()
+        self._waiting: collections.deque[list[_Sample]] = collections.deque()  # groups without slots
+        self._active: dict[int, _Sample] = {}  # slot -> sample being decoded
+        self._free: list[int] = []  # free slots (a heap)
+        self._layout: tuple[RowSampling, list[int]] | None = None
+        self._driver: int | None = None  # thread driving the scheduler
+        self._pause_requested = False
+        self._parked = False  # the driver stopped at a token boundary for a pause
 
     # -- InferenceEngine -----------------------------------------------------------------------
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[list[GeneratedSample]]:
+        """Thread-safe: concurrent calls are batched together (continuous batching)."""
         self._check_open()
         for request in requests:
             self._validate(request)
-        samples = [self._new_samples(r) for r in requests]
-        total = sum(len(s) for s in samples)
-        if total == 0:
+        ticket = _Ticket(remaining=sum(r.sampling.n for r in requests))
+        samples = [self._new_samples(r, ticket) for r in requests]
+        if ticket.remaining == 0:
             return []
-        longest = max(len(r.prompt_token_ids) + r.sampling.max_tokens for r in requests)
-        cache = self._ensure_cache(min(total, self.options.max_num_seqs), longest)
-        with torch.inference_mode():
-            self._run(samples, cache)
+        me = threading.get_ident()
+        with self._lock:
+            self._waiting.extend(samples)
+            while ticket.remaining and ticket.error is None and self._driver is not None:
+                self._lock.wait()
+            if ticket.remaining and ticket.error is None:
+                self._driver = me
+        if self._driver == me:
+            self._drive(ticket)
+        if ticket.error is not None:
+            raise RuntimeError(f"generation failed: {ticket.error}") from ticket.error
         return [[self._finish(s) for s in group] for group in samples]
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy each tensor into the parameter or buffer of that Hugging Face name, in place.
+    def pause(self) -> None:
+        """Stop every in-flight sample at a token boundary, keeping its KV cache slot; return once
+        stopped. ``generate`` calls block meanwhile (new ones too) and continue after ``resume``."""
+        self._check_open()
+        with self._lock:
+            self._pause_requested = True
+            while self._driver is not None and not self._parked:
+                self._lock.wait()
+
+    def resume(self) -> None:
+        """Continue the samples ``pause`` stopped, under the weights loaded meanwhile."""
+        with self._lock:
+            self._pause_requested = False
+            self._lock.notify_all()
+
+    def in_flight(self) -> dict[tuple[str, int], int]:
+        """Tokens chosen so far by each unfinished sample (admitted or waiting), by (request id, sample index)."""
+        with self._lock:
+            samples = [*self._active.values(), *itertools.chain.from_iterable(self._waiting)]
+            return {(s.request.request_id, s.index): len(s.token_ids) for s in samples}
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
+        """Copy each tensor into the parameter or buffer of that Hugging Face name, in place; tokens
+        chosen afterwards carry policy version ``version`` (``None``: the current version + 1).
 
         Raises ``KeyError`` for a name the model does not have and ``ValueError`` for a shape that
-        differs; tensors before the bad one are already loaded. No keys/values outlive a
-        ``generate`` call, so no cached prefix can go stale.
+        differs; tensors before the bad one are already loaded. While generation runs, the engine
+        is paused around the update (unless already paused): in-flight samples keep their keys/values
+        (computed by the old weights) and continue under the new ones.
         """
         self._check_open()
+        was_paused = self._pause_requested
+        if not was_paused:
+            self.pause()
+        try:
+            self._load(named_tensors)
+            self.policy_version = self.policy_version + 1 if version is None else int(version)
+        finally:
+            if not was_paused:
+                self.resume()
+
+    def _load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         try:
             with torch.no_grad():
                 for name, tensor in named_tensors:
@@ -157,7 +223,10 @@ class TorchEngine:
     def sleep(self) -> None:
         """Drop the KV cache (reallocated by the next ``generate``); weights stay."""
         self._check_open()
-        self._cache = None
+        with self._lock:
+            if self._active or self._waiting:
+                raise RuntimeError("sleep: samples are in flight (paused or generating); their KV cache must stay")
+            self._cache = None
 
     def wake(self) -> None:
         self._check_open()
@@ -172,43 +241,84 @@ class TorchEngine:
 
     # -- the scheduler -------------------------------------------------------------------------
 
-    def _run(self, samples: list[list[_Sample]], cache: SlotKVCache) -> None:
-        waiting = collections.deque(samples)  # one entry per request: its samples
-        free = list(range(cache.num_slots))
-        heapq.heapify(free)
-        active: dict[int, _Sample] = {}
-        layout: tuple[RowSampling, list[int]] | None = None
-        while waiting or active:
-            admitted: list[list[_Sample]] = []
-            while waiting and free:
-                group = waiting.popleft()
-                take, rest = group[: len(free)], group[len(free) :]
-                if rest:
-                    waiting.appendleft(rest)
-                for s in take:
-                    s.slot = heapq.heappop(free)
-                admitted.append(take)
-            if admitted:
-                self._prefill(admitted, cache)
-                for s in itertools.chain.from_iterable(admitted):
-                    if s.stop_reason is None:
-                        active[s.slot] = s
-                    else:
-                        heapq.heappush(free, s.slot)
-                layout = None
-            if not active:
-                continue
-            if layout is None:
+    def _drive(self, ticket: _Ticket) -> None:
+        """Run the scheduler (for every caller's samples) until this caller's samples are done,
+        stopping at token boundaries while a pause is requested; then hand over."""
+        try:
+            with torch.inference_mode():
+                while True:
+                    with self._lock:
+                        while self._pause_requested:
+                            self._parked = True
+                            self._lock.notify_all()
+                            self._lock.wait()
+                        self._parked = False
+                        if not ticket.remaining:
+                            return
+                        admitted = self._admit()
+                    self._iterate(admitted)
+        except BaseException as exc:  # every sample in flight is lost with the cache's state
+            with self._lock:
+                for s in [*self._active.values(), *itertools.chain.from_iterable(self._waiting)]:
+                    s.ticket.error = exc
+                self._active.clear()
+                self._waiting.clear()
+                self._cache, self._free, self._layout = None, [], None
+            if ticket.error is exc:
+                ticket.error = None
+                raise
+        finally:
+            with self._lock:
+                self._driver = None
+                self._parked = False
+                self._lock.notify_all()
+
+    def _admit(self) -> list[list[_Sample]]:
+        """Give free slots to waiting samples (growing the cache as they need); under the lock."""
+        if not self._waiting:
+            return []
+        waiting = [s for g in self._waiting for s in g]
+        in_flight = [*self._active.values(), *waiting]
+        longest = max(len(s.request.prompt_token_ids) + s.request.sampling.max_tokens for s in in_flight)
+        self._ensure_cache(min(len(in_flight), self.options.max_num_seqs), longest)
+        admitted: list[list[_Sample]] = []
+        while self._waiting and self._free:
+            group = self._waiting.popleft()
+            take, rest = group[: len(self._free)], group[len(self._free) :]
+            if rest:
+                self._waiting.appendleft(rest)
+            for s in take:
+                s.slot = heapq.heappop(self._free)
+            admitted.append(take)
+        return admitted
+
+    def _iterate(self, admitted: list[list[_Sample]]) -> None:
+        """Prefill the admitted samples, then one decode step for every active sample."""
+        cache, active, free = self._cache, self._active, self._free
+        done: list[_Sample] = []
+        if admitted:
+            self._prefill(admitted, cache)
+            for s in itertools.chain.from_iterable(admitted):
+                if s.stop_reason is None:
+                    active[s.slot] = s
+                else:
+                    done.append(s)
+            self._layout = None
+        if active:
+            if self._layout is None:
                 slots = sorted(active)
-                layout = (self._row_sampling([active[i] for i in slots]), slots)
-            finished = self._decode_step(active, layout, cache)
-            for s in finished:
-                del active[s.slot]
+                self._layout = (self._row_sampling([active[i] for i in slots]), slots)
+            done += self._decode_step(active, self._layout, cache)
+        with self._lock:
+            for s in done:
+                active.pop(s.slot, None)
                 heapq.heappush(free, s.slot)
-            if finished:
-                layout = None
-                if not waiting:  # (waiting samples refill the holes instead)
+                s.ticket.remaining -= 1
+            if done:
+                self._layout = None
+                if not self._waiting:  # (waiting samples refill the holes instead)
                     self._compact(active, free, cache)
+                self._lock.notify_all()
 
     @staticmethod
     def _compact(active: dict[int, _Sample], free: list[int], cache: SlotKVCache) -> None:
@@ -330,6 +440,7 @@ class TorchEngine:
         for s, token, logprob in zip(samples, chosen.tolist(), logprobs.tolist()):
             s.token_ids.append(token)
             s.logprobs.append(logprob)
+            s.versions.append(self.policy_version)
             self._check_stop(s)
 
     def _check_stop(self, s: _Sample) -> None:
@@ -362,11 +473,12 @@ class TorchEngine:
             logprobs=s.logprobs,
             text=text,
             stop_reason=s.stop_reason or "length",
+            token_versions=s.versions,
         )
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _new_samples(self, request: GenerationRequest) -> list[_Sample]:
+    def _new_samples(self, request: GenerationRequest, ticket: _Ticket) -> list[_Sample]:
         sampling = request.sampling
         seed = sampling.seed if sampling.seed is not None else sample_seed(self.seed, (1 << 40) + next(self._unseeded))
         stop_ids = frozenset(self.eos_ids) | frozenset(sampling.stop_token_ids)
@@ -376,7 +488,7 @@ class TorchEngine:
             if sampling.temperature > 0:
                 generator = torch.Generator(device="cpu")
                 generator.manual_seed(sample_seed(seed, index))
-            out.append(_Sample(request=request, index=index, generator=generator, stop_ids=stop_ids))
+            out.append(_Sample(request=request, index=index, generator=generator, stop_ids=stop_ids, ticket=ticket))
         return out
 
     def _row_sampling(self, samples: list[_Sample]) -> RowSampling:
@@ -388,9 +500,16 @@ class TorchEngine:
         )
 
     def _ensure_cache(self, num_slots: int, capacity: int) -> SlotKVCache:
+        """A cache of at least ``num_slots`` slots of ``capacity`` tokens; ``self._free`` its free slots."""
         cache = self._cache
-        if cache is None or cache.num_slots < num_slots or cache.capacity < capacity:
+        if cache is not None and self._active and (cache.num_slots < num_slots or cache.capacity < capacity):
+            # samples in flight keep their slots in the grown cache
+            self._cache = cache.grown(num_slots, _round_up(capacity, 64))
+            self._free.extend(range(cache.num_slots, self._cache.num_slots))
+            heapq.heapify(self._free)
+        elif cache is None or cache.num_slots < num_slots or cache.capacity < capacity:
             self._cache = None  # free the old one before allocating the new
+            self._free = []
             self._cache = SlotKVCache(
                 num_layers=self.model.config.get_text_config().num_hidden_layers,
                 num_slots=max(num_slots, cache.num_slots if cache else 0),
@@ -399,6 +518,7 @@ class TorchEngine:
                 device=self.options.device,
                 linear_layers=self.linear_layers,
             )
+            self._free = list(range(self._cache.num_slots))
         return self._cache
 
     def _validate(self, request: GenerationRequest) -> None:

@@ -167,6 +167,25 @@ class SlotKVCache(Cache):
             layer.handed_out = None
         return recurrent_states
 
+    def grown(self, num_slots: int, capacity: int) -> SlotKVCache:
+        """A cache of at least this size holding every slot's keys/values and states where they are,
+        so samples in flight continue in it (an engine admitting more or longer requests mid-run)."""
+        num_slots, capacity = max(num_slots, self.num_slots), max(capacity, self.capacity)
+        new = SlotKVCache(num_layers=len(self.keys), num_slots=num_slots, capacity=capacity, dtype=self.dtype,
+                          device=self.device, linear_layers=self.linear_layers)
+        for old_layers, new_layers in ((self.keys, new.keys), (self.values, new.values)):
+            for i, t in enumerate(old_layers):
+                if t is not None:
+                    bigger = torch.zeros((num_slots, t.shape[1], capacity + 1, t.shape[3]), dtype=t.dtype, device=t.device)
+                    bigger[: self.num_slots, :, : self.capacity] = t[:, :, : self.capacity]
+                    new_layers[i] = bigger
+        for old_states, new_states in ((self.conv, new.conv), (self.recurrent, new.recurrent)):
+            for i, t in old_states.items():
+                bigger = torch.zeros((num_slots, *t.shape[1:]), dtype=t.dtype, device=t.device)
+                bigger[: self.num_slots] = t
+                new_states[i] = bigger
+        return new
+
     def _read(self, stored: torch.Tensor) -> torch.Tensor:
         """The rows' part of a per-slot state: a view for contiguous rows, else a gathered copy."""
         if self._contiguous_rows:

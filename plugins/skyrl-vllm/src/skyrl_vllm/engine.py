@@ -8,6 +8,7 @@ import multiprocessing
 import os
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
+from skyrl_core.engine_pause import PauseNotSupported
 from skyrl_vllm import bootstrap
 from skyrl_vllm.lifecycle import environ, running, temporary_workdir
 from skyrl_vllm.mapping import check_request, to_samples, to_vllm_sampling_params
@@ -67,7 +68,7 @@ def engine_kwargs(options: VLLMOptions, *, dtype: str, on_cpu: bool, sleep_avail
     return kwargs
 
 
-class VLLMEngine:
+class VLLMEngine(PauseNotSupported):
     """Generates with vLLM; weights update in place, without restarting vLLM.
 
     ``model`` is a local HF directory or a config (written to a temporary directory first, with

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import attrs
 
+from skyrl_core.engine_pause import PauseNotSupported
 from skyrl_core.types import GeneratedSample, GenerationRequest, SamplingParams
 from skyrl_vllm.mapping import check_request, is_greedy, stop_reason
 from skyrl_vllm.options import OpenAIOptions
@@ -106,7 +107,7 @@ def samples_from_response(request: GenerationRequest, response: dict[str, Any]) 
     return samples
 
 
-class OpenAIEngine:
+class OpenAIEngine(PauseNotSupported):
     """``InferenceEngine`` over an OpenAI-compatible completions endpoint."""
 
     def __init__(self, model: ModelConfig, options: OpenAIOptions | None = None, *, seed: int = 0) -> None:
