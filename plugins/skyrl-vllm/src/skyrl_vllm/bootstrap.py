@@ -5,7 +5,9 @@ processes (front-end, engine core, every worker) before it builds the model. sky
 ``register`` there. It does nothing unless the marker ``SKYRL_VLLM_WORKER=1`` is in the environment
 (``VLLMEngine`` sets it before starting vLLM; spawned processes inherit it), so installing
 skyrl-vllm never changes a vLLM that skyrl did not start. With the marker it builds skyrl's plugin
-manager in that process and calls ``skyrl_worker_init(role="engine")``, once per process.
+manager in that process, calls ``skyrl_worker_init(role="engine")`` and installs skyrl's op
+sites in vLLM's layers (``skyrl_vllm.op_sites``: vLLM's own kernels unless a plugin installs
+another implementation of an op), once per process.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import logging
 import os
 
 MARKER = "SKYRL_VLLM_WORKER"
+# "0" leaves vLLM's layers without skyrl's op sites (benchmarks/vllm_op_path.py measures both).
+OP_SITES_SWITCH = "SKYRL_VLLM_OP_SITES"
 ENTRY_POINT_NAME = "skyrl"
 
 logger = logging.getLogger(__name__)
@@ -52,6 +56,10 @@ def register() -> None:
         logger.warning("skyrl bootstrap in vLLM process %d: no plugin manager (%s)", os.getpid(), exc)
         return
     get_plugin_manager().hook.skyrl_worker_init(role="engine")
+    if os.environ.get(OP_SITES_SWITCH, "1") != "0":
+        from skyrl_vllm import op_sites
+
+        op_sites.install()
 
 
 def ran_in_this_process() -> bool:

@@ -26,6 +26,9 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
+from skyrl_core.ops import engine_forms
+
+from skyrl_isoexec.specs import CANONICAL
 from skyrl_isoexec.vllm import attention, checks, gdn, layers, linear, moe, runtime, sampler
 
 _installed: dict[str, str] = {}
@@ -152,6 +155,9 @@ def install(strict: bool = True) -> dict[str, str]:
         return dict(_installed)
     from vllm.engine.arg_utils import EngineArgs
 
+    # IsoExec computes every canonical op inside vLLM with its own layers (below): skyrl-vllm's op
+    # sites leave those layers to it.
+    engine_forms.declare_own_layers("vllm", [spec.name for spec in CANONICAL.values()], "skyrl-isoexec")
     installed = _register_custom_ops(strict)
     installed.update(linear.install())
     installed.update(attention.install())
@@ -175,6 +181,7 @@ def uninstall() -> None:
     for name, cls in _replacements().items():
         if op_registry_oot.get(name) is cls:
             del op_registry_oot[name]
+    engine_forms.forget_own_layers("vllm", "skyrl-isoexec")
     linear.uninstall()
     attention.uninstall()
     sampler.uninstall()
