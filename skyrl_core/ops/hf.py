@@ -28,6 +28,8 @@ Calling conventions (what an ``OpImplSpec`` factory of each op is called with)::
     gdn_core(q, k, v, a, b, A_log, dt_bias, state)           -> (out [B, T, Hv, Dv], new state)
         q/k [B, T, Hk, Dk], v [B, T, Hv, Dv], a/b [B, T, Hv], state [B, Hv, Dk, Dv] fp32 or None
     logprobs(logits, token_ids)                              -> [...] (see ``token_logprobs``)
+        an engine that returns logprobs from the full matrix (vLLM's sampler) calls the
+        implementation's attribute ``full_log_softmax(logits) -> [rows, V]`` fp32
 
 Rotary *application* (``q * cos + rotate_half(q) * sin``) stays the model's own code: it is
 elementwise, hence identical for every batching; only the cos/sin computation is an op.
