@@ -59,6 +59,7 @@ from skyrl_core.ops import onednn
 from skyrl_core.ops.dispatch import OpDispatch, PatchRecord, attach_dispatch
 from skyrl_core.ops.engine_forms import own_layers_owner
 from skyrl_core.ops.ledger import OpLedger
+from skyrl_core.ops.rotary import default_inv_freq
 from skyrl_core.ops.stock import is_stock
 from skyrl_core.ops.vocabulary import ROLE_SITES, site_scope
 
@@ -198,11 +199,6 @@ def _silu_mul_forward(module, x):
     return module._skyrl_dispatch.call("silu_mul", module, lambda: module._skyrl_stock_forward(x), lambda fn: fn(x[..., :d], x[..., d:]))
 
 
-def hf_inv_freq(base: float, rotary_dim: int) -> torch.Tensor:
-    """transformers' default rotary inverse frequencies (``compute_default_rope_parameters``)."""
-    return 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(dtype=torch.float) / rotary_dim))
-
-
 def _rotate(module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """transformers' ``x * cos + rotate_half(x) * sin`` on the first ``rotary_dim`` channels."""
     shape = x.shape
@@ -272,7 +268,7 @@ def _route_layers(model: torch.nn.Module, dispatch: OpDispatch, routed: dict[str
             record.claim(module, qualname, "silu_mul", _silu_mul_forward)
         elif isinstance(module, RotaryEmbeddingBase) and "rope" in routed:
             if isinstance(module, RotaryEmbedding) and type(module).forward_native is RotaryEmbedding.forward_native and module.is_neox_style:
-                module._skyrl_inv_freq = hf_inv_freq(module.base, module.rotary_dim)
+                module._skyrl_inv_freq = default_inv_freq(module.base, module.rotary_dim)
                 record.claim(module, qualname, "rope", _rope_forward)
             else:  # scaled / multimodal / interleaved rotary: no mapping onto the op's convention
                 record.refuse(qualname, type(module).__name__)

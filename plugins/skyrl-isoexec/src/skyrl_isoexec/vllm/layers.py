@@ -23,6 +23,8 @@ from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm, RMSNormGated
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 
+from skyrl_core.ops.rotary import default_inv_freq
+
 from skyrl_isoexec.kernels import elementwise
 from skyrl_isoexec.vllm import runtime
 
@@ -86,11 +88,6 @@ class IsoExecSiluAndMul(runtime.DecidedAtBuild, SiluAndMul):
         return elementwise.silu_mul(x[..., :d], x[..., d:])
 
 
-def hf_inv_freq(base: float, rotary_dim: int) -> torch.Tensor:
-    """transformers' default rotary inverse frequencies (``compute_default_rope_parameters``)."""
-    return 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(dtype=torch.float) / rotary_dim))
-
-
 def _swap_halves(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((x[..., half:], x[..., :half]), dim=-1)
@@ -104,7 +101,7 @@ class IsoExecRotaryEmbedding(runtime.DecidedAtBuild, RotaryEmbedding):
                 "IsoExec: interleaved (GPT-J style) rotary embeddings have no canonical op; "
                 "the trainer's transformers models rotate halves (neox style)"
             )
-        self._isoexec_inv_freq = hf_inv_freq(self.base, self.rotary_dim)
+        self._isoexec_inv_freq = default_inv_freq(self.base, self.rotary_dim)
         self._isoexec_last: tuple | None = None  # (positions, dtype, cos, signed sin)
 
     def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
