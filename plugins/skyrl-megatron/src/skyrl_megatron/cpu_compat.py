@@ -163,6 +163,52 @@ def _output_buffer(input_: torch.Tensor, shape: tuple[int, ...], use_global_buff
     return torch.empty(shape, dtype=input_.dtype, device=input_.device)
 
 
+class _CudaDeviceIsCpu:
+    """``torch.cuda`` as GatedDeltaNet's module sees it on CPU: ``current_device()`` is the CPU."""
+
+    def __getattr__(self, name: str):
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def current_device() -> str:
+        return "cpu"
+
+
+class _TorchForGatedDeltaNet:
+    """The ``torch`` name inside ``megatron.core.ssm.gated_delta_net``: torch, except ``cuda``."""
+
+    cuda = _CudaDeviceIsCpu()
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+
+def _l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
+    """flash-linear-attention's ``l2norm`` in torch (transformers' Qwen3-Next form)."""
+    return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
+
+
+def _gated_delta_net_on_cpu() -> None:
+    """megatron's ``GatedDeltaNet`` on the CPU.
+
+    Replaces, in ``megatron.core.ssm.gated_delta_net`` only: the ``torch`` name (its constructor
+    allocates the conv and the A_log / dt_bias parameters on ``torch.cuda.current_device()``), the
+    flash-linear-attention kernels it requires (``HAVE_FLA``; ``l2norm``; ``chunk_gated_delta_rule``
+    by the module's own torch reference ``torch_chunk_gated_delta_rule``, the one its
+    ``deterministic_mode`` runs), and the ``torch.compile``-wrapped ``_apply_gated_norm`` by the
+    plain function (inductor would compile C++ on every new shape). Why: flash-linear-attention and
+    causal-conv1d are Triton/CUDA-only; without causal-conv1d the module already uses ``nn.Conv1d``.
+    """
+    from megatron.core.ssm import gated_delta_net as gdn
+
+    gdn.torch = _TorchForGatedDeltaNet()
+    gdn.HAVE_FLA = True
+    gdn.l2norm = _l2norm
+    gdn.chunk_gated_delta_rule = gdn.torch_chunk_gated_delta_rule
+    norm = gdn.GatedDeltaNet._apply_gated_norm
+    gdn.GatedDeltaNet._apply_gated_norm = getattr(norm, "_torchdynamo_orig_callable", norm)
+
+
 def apply(seed: int) -> None:
     """Install the CPU redirections (idempotent) and seed the RNG tracker like
     ``tensor_parallel.model_parallel_cuda_manual_seed`` would (which calls ``torch.cuda.manual_seed``).
@@ -182,6 +228,7 @@ def apply(seed: int) -> None:
         router.Router.gating = _router_gating_on_cpu
         mappings._gather_along_first_dim = _gather_along_first_dim_on_cpu
         mappings._reduce_scatter_along_first_dim = _reduce_scatter_along_first_dim_on_cpu
+        _gated_delta_net_on_cpu()
         _applied = True
     # initialize_model_parallel created a CUDA GlobalMemoryBuffer; swap in the CPU one.
     parallel_state._GLOBAL_MEMORY_BUFFER = CpuMemoryBuffer()

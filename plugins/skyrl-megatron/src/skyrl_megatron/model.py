@@ -52,6 +52,12 @@ def build_gpt_model(
             # The all-to-all dispatcher allocates CUDA streams when built; all-gather runs on CPU.
             moe_token_dispatcher_type="allgather" if on_cpu else "alltoall",
         )
+        if layout.shared_expert_ffn_hidden_size:
+            moe.update(moe_shared_expert_intermediate_size=layout.shared_expert_ffn_hidden_size, moe_shared_expert_gate=True)
+    if layout.model_type == "qwen3_next":
+        from skyrl_megatron.hybrid import hybrid_config_fields
+
+        moe.update(hybrid_config_fields(layout))
     config = TransformerConfig(
         num_layers=layout.num_layers,
         hidden_size=layout.hidden_size,
@@ -70,6 +76,8 @@ def build_gpt_model(
         attention_dropout=0.0,
         attention_softmax_in_fp32=True,
         tensor_model_parallel_size=tensor_parallel,
+        # megatron-core's default "full" is deprecated (it warns, then uses []): the same, said directly.
+        cuda_graph_scope=[],
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         use_cpu_initialization=on_cpu,
@@ -81,7 +89,13 @@ def build_gpt_model(
         calculate_per_token_loss=True,
         **moe,
     )
-    if use_transformer_engine:
+    if layout.model_type == "qwen3_next":
+        from skyrl_megatron.hybrid import hybrid_block_spec
+
+        # Local modules on GPU too: megatron's own hybrid spec needs Transformer Engine and its norms
+        # cannot scale by (1 + weight) the way transformers stores Qwen3-Next's weights.
+        spec = hybrid_block_spec(layout)
+    elif use_transformer_engine:
         spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=layout.num_experts or None, moe_grouped_gemm=False, qk_layernorm=layout.qk_norm
         )
@@ -97,6 +111,7 @@ def build_gpt_model(
         parallel_output=True,
         share_embeddings_and_output_weights=layout.tied_embeddings,
         position_embedding_type="rope",
+        rotary_percent=layout.rotary_percent,
         rotary_base=layout.rope_theta,
     )
 

@@ -26,13 +26,19 @@ ColumnParallelLinear      linear           the weight shards are all-gathered an
 RowParallelLinear         linear           input and weight shards are all-gathered along K; the op
                                            runs on the full shapes; every rank holds the whole output
                                            (no partial sums, no all-reduce)
-torch.nn.RMSNorm          rms_norm         ``fn(x, weight, eps, False, None)`` (norms are replicated)
+torch.nn.RMSNorm          rms_norm         ``fn(x, weight, eps, False, None)`` (norms are replicated);
+UnitOffsetRMSNorm                          ``UnitOffsetRMSNorm`` (Qwen3-Next): ``unit_offset`` True
 RotaryEmbedding           rope             cos/sin from ``fn(inv_freq, mscale, positions, dtype)``,
                                            applied as transformers applies them
                                            (``t * cos + rotate_half(t) * sin``)
 DotProductAttention       attention        ``fn`` on this rank's heads (a head's result depends on its
                                            own query/key/value only): ``[S, B, H, D]`` -> ``[B, H, S, D]``
 MLP (dense SwiGLU)        silu_mul         ``fn(gate, up)`` between the (patched) fc1 and fc2
+MoELayer                  moe_router,      router, experts (all of them, gathered over the expert-
+                          moe_experts,     parallel group) and combine on this rank's tokens, as
+                          moe_combine      transformers' sparse-MoE block computes them (``moe_sites``)
+GatedDeltaNet             gdn_conv,        conv and delta rule on this rank's channels / heads, the
+                          gdn_core         output norm as ``rms_norm`` gated by ``z`` (``gdn_sites``)
 ========================  ===============  ==========================================================
 
 The price of tensor-parallel independence: every rank computes every projection in full (``tp``
@@ -45,7 +51,7 @@ Rotary application is megatron's ``apply_rotary_pos_emb`` (imported by name into
 ``megatron.core.transformer.attention``); that name is replaced, process-wide, by a function that
 runs megatron's own one unless the rotary tensor comes from a patched ``RotaryEmbedding`` whose
 installed ``rope`` is not stock. Anything computing an op that is not in the table (Transformer
-Engine layers, MoE layers, other norms, rotary variants) is left alone and listed in
+Engine layers, MoE layers other than softmax top-k SwiGLU ones, other norms, rotary variants) is left alone and listed in
 ``ledger.meta["unpatched"]``, so that a plugin requiring every op (IsoExec) refuses the model.
 """
 
@@ -58,9 +64,12 @@ import torch.distributed as dist
 
 from skyrl_core.ops.dispatch import PatchRecord, attach_dispatch
 from skyrl_core.ops.ledger import OpLedger
+from skyrl_megatron.columns import ColumnLayout
+from skyrl_megatron.gdn_sites import gdn_forward
+from skyrl_megatron.moe_sites import check_moe_layer, moe_layer_forward
 
 # Class names of megatron modules that compute an op this patcher has no mapping for.
-_COMPUTING_SUFFIXES = ("Norm", "Linear", "Attention", "Embedding", "MLP", "MoELayer", "Router", "Experts")
+_COMPUTING_SUFFIXES = ("Norm", "Linear", "Attention", "Embedding", "MLP", "MoELayer", "Router", "Experts", "DeltaNet")
 # Containers: they compute nothing themselves beyond elementwise residual adds and reshapes.
 _CONTAINERS = {"SelfAttention", "LanguageModelEmbedding"}
 
@@ -113,47 +122,6 @@ class _GatherStack(torch.autograd.Function):
         return grad[ctx.rank], None
 
 
-# --- column layouts: where the transformers projections sit in a column-parallel weight ----------
-
-
-class ColumnLayout:
-    """How the rows of a column-parallel weight, gathered over ``tp`` ranks (rank order), map to
-    the separate projections of the transformers model: ``hf_rows`` lists gathered row indices in
-    transformers order (projection after projection), ``sizes`` the projections' row counts.
-    Gathered rows absent from ``hf_rows`` (vocabulary padding) give 0."""
-
-    def __init__(self, hf_rows: torch.Tensor, sizes: list[int], gathered_rows: int) -> None:
-        self.hf_rows, self.sizes = hf_rows, sizes
-        position = torch.full((gathered_rows,), len(hf_rows), dtype=torch.long)  # -> the zero column
-        position[hf_rows] = torch.arange(len(hf_rows))
-        self.position = position
-
-    @classmethod
-    def plain(cls, rows: int, real: int | None = None) -> ColumnLayout:
-        real = rows if real is None else real
-        return cls(torch.arange(real), [real], rows)
-
-    @classmethod
-    def fused_qkv(cls, groups: int, q_per_group: int, head_dim: int) -> ColumnLayout:
-        """``linear_qkv``: per query group, its query heads, key head, value head (all ranks' groups
-        in rank order are the groups in order)."""
-        block = (q_per_group + 2) * head_dim
-        base = torch.arange(groups)[:, None] * block
-        q = (base + torch.arange(q_per_group * head_dim)).reshape(-1)
-        k = (base + q_per_group * head_dim + torch.arange(head_dim)).reshape(-1)
-        v = (base + (q_per_group + 1) * head_dim + torch.arange(head_dim)).reshape(-1)
-        return cls(torch.cat([q, k, v]), [len(q), len(k), len(v)], groups * block)
-
-    @classmethod
-    def gate_up(cls, ffn: int, tp: int) -> ColumnLayout:
-        """SwiGLU ``linear_fc1``: rank ``r`` holds ``[gate_r; up_r]`` (``ffn / tp`` rows each)."""
-        local = ffn // tp
-        base = torch.arange(tp)[:, None] * 2 * local
-        gate = (base + torch.arange(local)).reshape(-1)
-        up = (base + local + torch.arange(local)).reshape(-1)
-        return cls(torch.cat([gate, up]), [ffn, ffn], 2 * ffn)
-
-
 def _column_layout(qualname: str, module: Any, vocab_size: int | None) -> ColumnLayout:
     config = module.config
     tp = _world(module.tp_group)
@@ -161,7 +129,12 @@ def _column_layout(qualname: str, module: Any, vocab_size: int | None) -> Column
     leaf = qualname.rsplit(".", 1)[-1]
     if leaf == "linear_qkv":
         heads, groups = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
-        layout = ColumnLayout.fused_qkv(groups, heads // groups, config.kv_channels)
+        layout = ColumnLayout.fused_qkv(groups, heads // groups, config.kv_channels, output_gate=config.attention_output_gate)
+    elif leaf == "in_proj":  # GatedDeltaNet's (the only megatron layer here with that name)
+        layout = ColumnLayout.gdn_in_proj(
+            config.linear_num_key_heads, config.linear_num_value_heads, config.linear_key_head_dim,
+            config.linear_value_head_dim, tp,
+        )
     elif leaf == "linear_fc1" and config.gated_linear_unit:
         layout = ColumnLayout.gate_up(rows // 2, tp)
     elif leaf == "output_layer" and vocab_size is not None:
@@ -251,7 +224,7 @@ def _row_forward(module, input_):
 def _rms_norm_forward(module, x):
     def installed(fn):
         eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
-        return fn(x, module.weight, float(eps), False, None)
+        return fn(x, module.weight, float(eps), module._skyrl_unit_offset, None)
 
     return module._skyrl_dispatch.call("rms_norm", module, lambda: module._skyrl_stock_forward(x), installed)
 
@@ -363,6 +336,34 @@ def _is_swiglu_mlp(module: Any) -> bool:
     )
 
 
+def _gated_delta_net_class() -> type | None:
+    try:
+        from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+    except ImportError:  # a megatron-core without it builds no hybrid either
+        return None
+    return GatedDeltaNet
+
+
+def _claim_shared_expert(record: PatchRecord, qualname: str, moe: Any) -> None:
+    """The shared expert's linears (the MoE forward calls them on the op path; its stock forward
+    calls them too), recorded as computing ``silu_mul`` and ``linear``."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    shared = moe.shared_experts
+    if shared is None:
+        return
+    name = f"{qualname}.shared_experts"
+    for leaf, cls, forward in (("linear_fc1", ColumnParallelLinear, _column_forward), ("linear_fc2", RowParallelLinear, _row_forward)):
+        linear = getattr(shared, leaf)
+        if type(linear) is not cls:
+            record.refuse(f"{name}.{leaf}", type(linear).__name__)
+            continue
+        if cls is ColumnParallelLinear:
+            linear._skyrl_columns = _column_layout(f"{name}.{leaf}", linear, None)
+        record.claim(linear, f"{name}.{leaf}", "linear", forward)
+    record.claim(shared, name, "silu_mul")  # computed by the MoE forward (moe_sites._shared_expert)
+
+
 # --- the patcher -----------------------------------------------------------------------------------
 
 
@@ -377,6 +378,11 @@ def patch_megatron_model(model: Any, ledger: OpLedger, *, vocab_size: int | None
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from skyrl_megatron.hybrid import UnitOffsetRMSNorm
+
+    GatedDeltaNet = _gated_delta_net_class()
 
     dispatch = attach_dispatch(model, ledger)
     if dispatch is None:
@@ -399,8 +405,12 @@ def patch_megatron_model(model: Any, ledger: OpLedger, *, vocab_size: int | None
             record.claim(module, qualname, "linear", _column_forward)
         elif cls is RowParallelLinear:
             record.claim(module, qualname, "linear", _row_forward)
-        elif cls is torch.nn.RMSNorm:
+        elif cls is torch.nn.RMSNorm or cls is UnitOffsetRMSNorm:
+            module._skyrl_unit_offset = cls is UnitOffsetRMSNorm
             record.claim(module, qualname, "rms_norm", _rms_norm_forward)
+        elif cls is GatedDeltaNet:
+            # Its in_proj, out_norm and out_proj are claimed on their own (linear, rms_norm).
+            record.claim(module, qualname, "gdn_core", gdn_forward, also=("gdn_conv",))
         elif cls is RotaryEmbedding and not module.rotary_interleaved:
             record.claim(module, qualname, "rope", _rope_forward)
         elif cls is DotProductAttention:
@@ -408,6 +418,10 @@ def patch_megatron_model(model: Any, ledger: OpLedger, *, vocab_size: int | None
             skipped.append(qualname)  # its softmax and dropout are inside the op
         elif cls is MLP and _is_swiglu_mlp(module):
             record.claim(module, qualname, "silu_mul", _mlp_forward)
+        elif cls is MoELayer and check_moe_layer(module) is None:
+            record.claim(module, qualname, "moe_router", moe_layer_forward, also=("moe_experts", "moe_combine"))
+            _claim_shared_expert(record, qualname, module)
+            skipped.append(qualname)  # router, dispatcher and experts are inside the ops
         elif name not in _CONTAINERS and name.endswith(_COMPUTING_SUFFIXES):
             record.refuse(qualname, name)
             skipped.append(qualname)

@@ -53,7 +53,11 @@ class ShardedAdamW:
         self.params = [p for _, p in named]
         self.expert_params = [p for n, p in named if ".local_experts." in n]
         self.dense_params = [p for n, p in named if ".local_experts." not in n]
-        self.head_norm_params = [p for n, p in named if n.endswith(("q_layernorm.weight", "k_layernorm.weight"))]
+        # Norms applied per head (Qwen3's q/k norms, GatedDeltaNet's output norm): each
+        # tensor-parallel rank holds other heads, so their gradients are summed over the ranks.
+        self.head_norm_params = [
+            p for n, p in named if n.endswith(("q_layernorm.weight", "k_layernorm.weight", "self_attention.out_norm.weight"))
+        ]
         self.grad_clip = grad_clip
         self.tp_group, self.dp_group = tp_group, dp_group
         self.expert_dp_group, self.expert_shard_group = expert_dp_group, expert_shard_group

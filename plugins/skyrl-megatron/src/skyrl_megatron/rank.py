@@ -160,7 +160,10 @@ class MegatronRank:
             raise ValueError(f"expert_parallel={self.ep} needs a mixture-of-experts model; {self.layout.model_type} has no experts")
         hf_state = hf_model.state_dict()
         del hf_model
-        self.use_transformer_engine = self.device.type == "cuda" and transformer_engine_available()
+        # The Qwen3-Next hybrid is built from local modules everywhere (skyrl_megatron.hybrid).
+        self.use_transformer_engine = (
+            self.device.type == "cuda" and transformer_engine_available() and self.layout.model_type != "qwen3_next"
+        )
         self.model = build_gpt_model(
             self.layout,
             tensor_parallel=self.tp,
