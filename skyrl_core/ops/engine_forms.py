@@ -13,6 +13,14 @@ Kept per process (each engine process runs its plugins' ``skyrl_worker_init``), 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from skyrl_core.ops.stock import is_stock
+from skyrl_core.ops.vocabulary import ROLE_SITES
+
+if TYPE_CHECKING:
+    from skyrl_core.ops.ledger import OpLedger
+
 _own_layers: dict[tuple[str, str], str] = {}
 
 
@@ -31,3 +39,16 @@ def forget_own_layers(engine: str, owner: str) -> None:
     """Drop ``owner``'s declarations for ``engine`` (tests, uninstall)."""
     for key in [k for k, v in _own_layers.items() if k[0] == engine and v == owner]:
         del _own_layers[key]
+
+
+def routed_ops(ledger: OpLedger, engine: str) -> dict[str, list[str]]:
+    """Op -> names of the non-stock implementations declared at ``ledger``'s engine sites that
+    ``engine``'s layers must call (those computed by a plugin's own layers left out); empty when
+    every op keeps the engine's own kernels."""
+    routed: dict[str, list[str]] = {}
+    for (op, site), impl in ledger.declared.items():
+        if site in ROLE_SITES["engine"] and not is_stock(impl) and own_layers_owner(engine, impl.name) is None:
+            names = routed.setdefault(op, [])
+            if impl.name not in names:
+                names.append(impl.name)
+    return routed

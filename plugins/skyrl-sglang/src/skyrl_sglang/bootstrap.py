@@ -4,13 +4,15 @@ SGLang calls every function of the entry-point group ``sglang.srt.plugins`` once
 processes (``sglang.srt.plugins.load_plugins``). skyrl registers ``register`` there. It does nothing
 unless the marker ``SKYRL_SGLANG_WORKER=1`` is in the environment (``SGLangEngine`` sets it before
 starting SGLang; spawned processes inherit it); with the marker it builds skyrl's plugin manager in
-that process and calls ``skyrl_worker_init(role="engine")``, once per process.
+that process, calls ``skyrl_worker_init(role="engine")`` and installs skyrl's op sites in SGLang's
+layers (``skyrl_sglang.op_sites``), once per process.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 
 MARKER = "SKYRL_SGLANG_WORKER"
 ENTRY_POINT_NAME = "skyrl"
@@ -49,6 +51,10 @@ def register() -> None:
         logger.warning("skyrl bootstrap in SGLang process %d: no plugin manager (%s)", os.getpid(), exc)
         return
     get_plugin_manager().hook.skyrl_worker_init(role="engine")
+    if "sglang" in sys.modules:  # SGLang's own loader called us (tests call the bootstrap directly)
+        from skyrl_sglang import op_sites
+
+        op_sites.install()
 
 
 def ran_in_this_process() -> bool:
