@@ -208,3 +208,21 @@ def route_layers(model: torch.nn.Module, dispatch: OpDispatch, routed: dict[str,
             else:  # scaled / multimodal / interleaved rotary: no mapping onto the op's convention
                 record.refuse(qualname, type(module).__name__)
     return record
+
+
+def route_model(model: torch.nn.Module, ledger: Any, routed: dict[str, list[str]], classes: LayerClasses,
+                extra: Callable[[OpDispatch, PatchRecord], None] | None = None, **meta: Any) -> OpDispatch:
+    """Route ``model``'s layers (``route_layers``) through ``ledger``, let the engine route what else
+    it has (``extra(dispatch, record)``, e.g. a sampler), record what was claimed and refused in
+    ``ledger.meta`` (with ``routed`` and ``meta``) and attach the ledger as ``_skyrl_op_ledger``
+    unless a plugin attached its own; return the model's dispatch."""
+    from skyrl_core.ops.dispatch import attach_dispatch
+
+    dispatch = attach_dispatch(model, ledger) or model._skyrl_dispatch
+    record = route_layers(model, dispatch, routed, classes)
+    if extra is not None:
+        extra(dispatch, record)
+    record.finish(ledger, architecture=type(model).__name__, routed={op: names for op, names in sorted(routed.items())}, **meta)
+    if getattr(model, "_skyrl_op_ledger", None) is None:
+        model._skyrl_op_ledger = ledger
+    return dispatch

@@ -24,7 +24,6 @@ import functools
 from typing import Any, Callable
 
 from skyrl_core.ops import engine_forms, engine_layers
-from skyrl_core.ops.dispatch import attach_dispatch
 from skyrl_core.ops.ledger import OpLedger
 from skyrl_core.ops.vocabulary import site_scope
 
@@ -82,13 +81,8 @@ def _name_sites(runner: Any) -> None:
 
 def route_model(runner: Any, ledger: OpLedger, routed: dict[str, list[str]], classes: engine_layers.LayerClasses) -> None:
     """Route the runner's freshly built model (and its steps' sites) through ``ledger``."""
-    model = runner.model
-    dispatch = attach_dispatch(model, ledger) or model._skyrl_dispatch
-    record = engine_layers.route_layers(model, dispatch, routed, classes)
+    engine_layers.route_model(runner.model, ledger, routed, classes)
     _name_sites(runner)
-    record.finish(ledger, architecture=type(model).__name__, routed={op: names for op, names in sorted(routed.items())})
-    if getattr(model, "_skyrl_op_ledger", None) is None:
-        model._skyrl_op_ledger = ledger
 
 
 def _wrap_load_model(original: Callable[..., Any]) -> Callable[..., Any]:

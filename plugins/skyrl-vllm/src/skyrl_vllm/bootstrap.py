@@ -16,7 +16,7 @@ import logging
 import os
 
 MARKER = "SKYRL_VLLM_WORKER"
-# "0" leaves vLLM's layers without skyrl's op sites (benchmarks/vllm_op_path.py measures both).
+# "0" leaves vLLM's layers without skyrl's op sites (benchmarks/isoexec_vllm.py measures both).
 OP_SITES_SWITCH = "SKYRL_VLLM_OP_SITES"
 ENTRY_POINT_NAME = "skyrl"
 

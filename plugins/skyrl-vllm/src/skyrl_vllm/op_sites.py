@@ -56,7 +56,7 @@ from typing import Any, Callable
 import torch
 
 from skyrl_core.ops import engine_forms, engine_layers
-from skyrl_core.ops.dispatch import OpDispatch, attach_dispatch
+from skyrl_core.ops.dispatch import OpDispatch
 from skyrl_core.ops.ledger import OpLedger
 from skyrl_core.ops.vocabulary import site_scope
 
@@ -164,17 +164,15 @@ def _name_sites(runner: Any) -> None:
 
 def route_model(runner: Any, ledger: OpLedger, routed: dict[str, list[str]]) -> None:
     """Route the runner's freshly built model (and its sampler, and its steps' sites) through ``ledger``."""
-    model = runner.model
-    dispatch = attach_dispatch(model, ledger) or model._skyrl_dispatch
-    record = engine_layers.route_layers(model, dispatch, routed, layer_classes())
-    if "logprobs" in routed:
-        _route_sampler(runner, dispatch)
-        record.counts["logprobs"] = 1
+
+    def route_sampler(dispatch, record):
+        if "logprobs" in routed:
+            _route_sampler(runner, dispatch)
+            record.counts["logprobs"] = 1
+
+    engine_layers.route_model(runner.model, ledger, routed, layer_classes(), route_sampler,
+                              dtype=str(runner.vllm_config.model_config.dtype).removeprefix("torch."))
     _name_sites(runner)
-    record.finish(ledger, architecture=type(model).__name__, dtype=str(runner.vllm_config.model_config.dtype).removeprefix("torch."),
-                  routed={op: names for op, names in sorted(routed.items())})
-    if getattr(model, "_skyrl_op_ledger", None) is None:
-        model._skyrl_op_ledger = ledger
 
 
 def _wrap_load_model(original: Callable[..., Any]) -> Callable[..., Any]:
