@@ -121,6 +121,9 @@ class TrainingBatch:
     ``attention_mask`` marks real tokens. Every ``[B, R]`` tensor is aligned with the response
     tokens ``input_ids[:, P:]``. ``loss_mask`` is 1.0 on trained tokens (0 on padding and on
     environment-written tokens). ``group_ids`` groups samples of one prompt (length ``B``).
+    ``position_ids`` ``[B, P + R]`` (optional) marks packed rows (several sequences one after the
+    other, as ``skyrl sft`` builds them): positions restart at 0 for every sequence, and a backend
+    that scores packed rows (``packed_rows = True``) keeps each sequence's attention inside it.
     """
 
     input_ids: torch.Tensor
@@ -136,6 +139,7 @@ class TrainingBatch:
     token_weights: torch.Tensor | None = None
     # [B, R] long: the policy version that sampled each trained token (-1 on padding and environment tokens).
     token_versions: torch.Tensor | None = None
+    position_ids: torch.Tensor | None = None
 
     @property
     def response_len(self) -> int:

@@ -34,6 +34,8 @@ def trim(batch: TrainingBatch) -> TrainingBatch:
     if first == 0 and keep == R:
         return batch
     changes = {"input_ids": batch.input_ids[:, first:P + keep], "attention_mask": batch.attention_mask[:, first:P + keep]}
+    if batch.position_ids is not None:
+        changes["position_ids"] = batch.position_ids[:, first:P + keep]
     for name in _RESPONSE_FIELDS:
         value = getattr(batch, name)
         if value is not None:

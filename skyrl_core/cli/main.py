@@ -172,6 +172,30 @@ def train(config_path: str, overrides: tuple[str, ...]) -> None:
         sys.exit(1)
 
 
+@cli.command()
+@click.argument("config_path", metavar="CONFIG")
+@click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
+def sft(config_path: str, overrides: tuple[str, ...]) -> None:
+    """Supervised fine-tuning on the chat datasets of CONFIG (data.train, data.eval; the sft: section;
+    overrides such as trainer.steps=20 resume=DIR)."""
+    cfg = load_config_or_exit(config_path, _with_shorthands(overrides))
+    from skyrl_core.config.errors import ConfigError
+    from skyrl_core.trainer.sft import sft as run_sft
+
+    try:
+        result = run_sft(cfg)
+    except ConfigError as exc:
+        exc.source = config_path
+        click.echo(exc.render(), err=True)
+        sys.exit(EXIT_CONFIG_ERROR)
+    last = next((r for r in reversed(result.history) if "eval/loss" in r), None)
+    first = next((r for r in result.history if "eval/loss" in r), None)
+    if first is not None and last is not None:
+        click.echo(f"eval loss: step {first['step']} {first['eval/loss']:.4f} -> step {last['step']} {last['eval/loss']:.4f}")
+    if result.hf_dir:
+        click.echo(f"Hugging Face model: {result.hf_dir}")
+
+
 @cli.command("eval")
 @click.argument("config_path", metavar="CONFIG")
 @click.argument("overrides", nargs=-1, metavar="[checkpoint=DIR] [KEY=VALUE]...")

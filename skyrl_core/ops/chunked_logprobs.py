@@ -60,22 +60,27 @@ def _head_replaced(model: Any, consume: Callable[[torch.Tensor], torch.Tensor]) 
 
 def with_final_hidden(
     model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: int,
-    consume: Callable[[torch.Tensor], torch.Tensor],
+    consume: Callable[[torch.Tensor], torch.Tensor], position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run a transformers causal LM on left-padded rows and return ``consume(hidden)`` for its final
     hidden states ``[B, keep, H]`` (after the final norm) of the last ``keep`` positions.
 
     ``consume`` runs in place of the output embedding, inside the model's own forward: every hook on
     the model still wraps it, so under FSDP the root's parameters (the output embedding's included)
-    are gathered while it runs, and again when backward recomputes a chunk."""
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+    are gathered while it runs, and again when backward recomputes a chunk.
+
+    Packed rows come with ``position_ids`` restarting at every sequence: then no attention mask is
+    passed and transformers builds the block-diagonal causal mask from the positions."""
+    packed = position_ids is not None
+    if not packed:
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
     extra = {"logits_to_keep": keep} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
     def last_positions(hidden: torch.Tensor) -> torch.Tensor:
         return consume(hidden[:, -keep:])
 
     with _head_replaced(model, last_positions):
-        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        return model(input_ids=input_ids, attention_mask=None if packed else attention_mask, position_ids=position_ids,
                      use_cache=False, **extra).logits
 
 
@@ -149,6 +154,7 @@ def response_logprobs(
     temperature: float = 1.0,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     with_entropy: bool = False,
+    position_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs ``[B, R]`` (fp32) of the last ``R = response_len`` tokens of each row of
     ``input_ids`` ``[B, P + R]``, computed only where ``where`` ``[B, R]`` is true and 0 elsewhere;
@@ -169,5 +175,5 @@ def response_logprobs(
             parts.append(zeros.masked_scatter(where, entropy))
         return torch.stack(parts)
 
-    scored = with_final_hidden(model, input_ids, attention_mask, R + 1, score)
+    scored = with_final_hidden(model, input_ids, attention_mask, R + 1, score, position_ids=position_ids)
     return scored[0], (scored[1] if with_entropy else None)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from skyrl_core.plugins import hookimpl
-from skyrl_core.plugins.records import LoggerSpec
+from skyrl_core.plugins.records import ConfigSectionSpec, LoggerSpec
 
 
 @hookimpl
@@ -26,3 +26,11 @@ def skyrl_register_loggers(register):
     # the name exists so that `trainer.loggers: [jsonl, ...]` reads as what happens.
     register(LoggerSpec(name="jsonl", factory="skyrl_core.trainer.metrics:MetricsLog",
                         description="metrics.jsonl in the run directory (always on)"))
+
+
+@hookimpl
+def skyrl_register_config_sections(register):
+    # `skyrl sft` reads it; `skyrl train` ignores it (a config may serve both).
+    register(ConfigSectionSpec(name="sft", factory="skyrl_core.trainer.sft:sft",
+                               options="skyrl_core.trainer.sft_options:SFTOptions",
+                               description="supervised fine-tuning on chat data (skyrl sft)"))

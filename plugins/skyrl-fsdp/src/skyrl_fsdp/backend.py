@@ -41,6 +41,7 @@ class FSDPBackend(RankDriver):
     """
 
     checkpoint_kind = "an FSDP"
+    packed_rows = True  # scores TrainingBatch.position_ids (packed rows, skyrl sft)
     state_file = TRAINER_STATE_FILE
 
     def __init__(

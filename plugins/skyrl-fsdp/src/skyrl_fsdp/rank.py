@@ -214,6 +214,7 @@ class FSDPRank:
         return response_logprobs(
             self.model, batch.input_ids, batch.attention_mask, batch.response_len, where, ledger=self.ledger,
             temperature=temperature, chunk_tokens=self.trainer.logprob_chunk_tokens, with_entropy=with_entropy,
+            position_ids=batch.position_ids,
         )
 
     def forward(
