@@ -110,16 +110,18 @@ def adapter_parameters(model: Any, name: str) -> list[torch.nn.Parameter]:
     return params
 
 
-def adapter_tensors(model: Any, name: str) -> dict[str, torch.Tensor]:
+def adapter_tensors(model: Any, name: str, *, live: bool = False) -> dict[str, torch.Tensor]:
     """Adapter ``name`` as named tensors: ``<module>.lora_A`` ``[r, in]``, ``<module>.lora_B``
-    ``[out, r]`` and ``<module>.lora_scale`` (a 0-d tensor), detached copies."""
+    ``[out, r]`` and ``<module>.lora_scale`` (a 0-d tensor); detached copies, or (``live``) the
+    adapter's own parameters, so that what is computed from them is differentiable."""
     import torch
 
     out: dict[str, torch.Tensor] = {}
     for module_name, layer in lora_layers(model):
         if name in layer.lora_A:
-            out[f"{module_name}.lora_A"] = layer.lora_A[name].weight.detach().clone()
-            out[f"{module_name}.lora_B"] = layer.lora_B[name].weight.detach().clone()
+            a, b = layer.lora_A[name].weight, layer.lora_B[name].weight
+            out[f"{module_name}.lora_A"] = a if live else a.detach().clone()
+            out[f"{module_name}.lora_B"] = b if live else b.detach().clone()
             out[f"{module_name}.lora_scale"] = torch.tensor(float(layer.scaling[name]), dtype=torch.float32)
     return out
 

@@ -17,7 +17,7 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 from server import TEST_KEY, byte_tokenizer, free_port, serve
 from skyrl_tinker.client_loops import arithmetic_prompts, rl_step
 
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::FutureWarning")]  # the SDK's deprecation notes
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240), pytest.mark.filterwarnings("ignore::FutureWarning")]  # the SDK's deprecation notes
 
 MAX_BODY = 1024 * 1024
 HEADERS = {"X-API-Key": TEST_KEY}
@@ -87,6 +87,22 @@ def test_supervised_loop_with_cross_entropy_lowers_the_loss(server):
     losses = _sl_steps(tc, 6)
     assert losses[-1] < 0.7 * losses[0], losses
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
+
+    # The SDK's client-side custom loss: forward logprobs down, -dC/dlogprob up as cross_entropy weights.
+    def mean_nll(data, logprobs_list):
+        loss = sum((-lp).mean() for lp in logprobs_list)
+        return loss, {"mean_nll": float(loss)}
+
+    custom = tc.forward_backward_custom([_datum(SENTENCE)], mean_nll).result().metrics
+    assert custom["surrogate_loss:sum"] == pytest.approx(custom["mean_nll"], rel=1e-5)  # sum(-lp * 1/T)
+
+    # REST listing and deletion.
+    rest = _client(url).create_rest_client()
+    path = tc.save_state("sl").result().path
+    assert rest.get_training_run(tc.model_id).result().last_checkpoint.tinker_path == path
+    assert rest.get_weights_info_by_tinker_path(path).result().lora_rank == 8
+    rest.delete_checkpoint(tc.model_id, "weights/sl").result()
+    assert rest.list_checkpoints(tc.model_id).result().checkpoints == []
 
 
 def test_rl_loop_with_importance_sampling_raises_the_reward(server):
@@ -240,26 +256,30 @@ def test_api_keys_authenticate_and_isolate(tiny_model, tmp_path):
 
 
 @pytest.mark.parametrize("isoexec", ["1", "0"])
-def test_sampled_logprobs_equal_forward_logprobs_bit_for_bit_with_isoexec(tiny_model, tmp_path, isoexec):
+def test_sampled_logprobs_equal_training_logprobs_bit_for_bit_with_isoexec(tiny_model, tmp_path, isoexec):
     (tmp_path / "ck").mkdir()
     with serve(tiny_model, tmp_path / "ck", env={"SKYRL_ISOEXEC": isoexec}) as url:
         tc = _client(url).create_lora_training_client(base_model="tiny", rank=4, seed=0).result()
-        _sl_steps(tc, 1)  # a trained adapter, so the merged weights differ from the base
+        losses = _sl_steps(tc, 3)  # a trained adapter, so the merged weights differ from the base
+        assert losses[2] < losses[1] < losses[0]  # (with IsoExec, training runs through the merged weights)
         sampler = tc.save_weights_and_get_sampling_client().result()
         prompt = [10, 11, 12, 13, 14]
         response = sampler.sample(types.ModelInput.from_ints(prompt), num_samples=4, include_prompt_logprobs=True,
                                   sampling_params=types.SamplingParams(max_tokens=12, seed=3)).result()
-        differing = total = 0
+        differing = differing_fb = total = 0
         for seq in response.sequences:
             full = prompt + list(seq.tokens)
             forward = _forward_bits(tc, _datum(full))[len(prompt) - 1 :]
+            trained = tc.forward_backward([_datum(full)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
+            trained = np.asarray(trained.tolist(), dtype=np.float32).view(np.int32)[len(prompt) - 1 :]
             sampled = np.asarray(seq.logprobs, dtype=np.float32).view(np.int32)
             differing += int((forward != sampled).sum())
+            differing_fb += int((trained != sampled).sum())
             total += len(sampled)
         prompt_bits = np.asarray(response.prompt_logprobs[1:], dtype=np.float32).view(np.int32)
         assert (prompt_bits == _forward_bits(tc, _datum(prompt))).all()
     assert total == 48
-    if isoexec == "1":
-        assert differing == 0
+    if isoexec == "1":  # forward and forward_backward both see the sampler's bits: the KL is exactly 0
+        assert differing == differing_fb == 0
     else:  # negative control: KV-cache decode and batched GEMMs round differently without IsoExec
-        assert differing > 0
+        assert differing > 0 and differing_fb > 0

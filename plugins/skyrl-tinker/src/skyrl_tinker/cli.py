@@ -60,7 +60,12 @@ def serve(
     if not db_url.startswith("sqlite:"):
         raise click.BadParameter(f"{db_url!r}: only sqlite:/// URLs are supported", param_hint="--db")
 
+    import faulthandler
+    import signal
+
     import uvicorn
+
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack to stderr
 
     from skyrl_tinker.app import create_app
     from skyrl_tinker.service import TinkerService

@@ -6,14 +6,13 @@ The base model is loaded once and prepared for the ``trainer`` role through the 
 FSDP rank. Adapters are peft LoRA layers (``skyrl_core.lora``); a computation selects one adapter,
 so only its tensors get gradients and the others are untouched.
 
-Two paths compute logprobs:
-
-- ``forward_backward`` computes through peft's unmerged layers (``W x + s B A x``): the adapter
-  tensors are what get gradients.
-- ``forward`` (and prompt logprobs) compute with the adapter *merged* into the base weights
-  (``skyrl_core.lora.merged_weight``) and the LoRA layers off: the same weights, through the same
-  ops, that the inference engine gets after ``save_weights_for_sampler``. With IsoExec on, a sampled
-  token's logprob and ``forward``'s logprob of it are therefore the same bits.
+Every logprob that must match the sampler's is computed with the adapter *merged* into the base
+weights (``skyrl_core.lora.merged_weight``, the merge the inference engine gets after
+``save_weights_for_sampler``) and the LoRA layers off: ``forward`` and prompt logprobs always, and
+``forward_backward`` when an op plugin (IsoExec) installs its own ops, with the merged weight
+computed from the live A and B so that gradients reach them. With IsoExec on, a sampled token's
+logprob and the trainer's are therefore the same bits. With stock ops ``forward_backward`` runs
+peft's cheaper unmerged layers (``W x + s B A x``).
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ from skyrl_core.config.schema import ModelConfig
 from skyrl_core.heap import keep_freed_memory, release_freed_memory
 from skyrl_core.models import load_causal_lm
 from skyrl_core.ops import prepare_model, site_scope, token_logprobs
+from skyrl_core.ops.install import DEFAULT_IMPLS
 from skyrl_tinker.losses import compute_loss
 
 ADAPTER_FILE = "adapter.safetensors"
@@ -77,6 +77,7 @@ class LoraTrainer:
         self.model = load_causal_lm(ModelConfig(path=model_dir))
         self.model.requires_grad_(False)
         self.ledger = prepare_model(self.model, "trainer")
+        self.merged_training = not all(impl.name == DEFAULT_IMPLS[op].name for (op, _), impl in self.ledger.declared.items())
         self.config = self.model.config.get_text_config()
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.max_len = int(getattr(self.config, "max_position_embeddings", 4096))
@@ -139,23 +140,27 @@ class LoraTrainer:
 
     @contextlib.contextmanager
     def _merged(self, tensors: dict[str, torch.Tensor] | None) -> Iterator[None]:
-        """Compute with ``tensors`` (an adapter as ``lora.adapter_tensors`` writes it; None: the base
-        model) merged into the base weights and every LoRA layer off. The base tensors are put
-        back as they were (the same tensor objects, no arithmetic)."""
+        """Compute with ``tensors`` (an adapter as ``lora.adapter_tensors`` gives it; None: the
+        base model) merged into the base weights, every LoRA layer off. Each adapted linear's
+        ``weight`` is replaced by its merged tensor for the duration (differentiable in A and B
+        when the tensors are the live adapter), then the base parameter is put back untouched."""
         layers = dict(lora.lora_layers(self.model))
-        swapped: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        swapped: list[tuple[torch.nn.Module, torch.nn.Parameter]] = []
         lora.select(self.model, None)
         try:
             if tensors:
-                base = self.base_weights()
-                for name, merged in lora.merged_weights(base, tensors):
-                    weight = layers[name[: -len(".weight")]].get_base_layer().weight
-                    swapped.append((weight, weight.data))
-                    weight.data = merged
+                for value in tensors.values():  # a live adapter: select() left its tensors frozen
+                    if isinstance(value, torch.nn.Parameter):
+                        value.requires_grad_(True)
+                for name, merged in lora.merged_weights(self.base_weights(), tensors):
+                    base_layer = layers[name[: -len(".weight")]].get_base_layer()
+                    swapped.append((base_layer, base_layer._parameters.pop("weight")))
+                    base_layer.weight = merged  # a plain tensor attribute, read by the layer's forward
             yield
         finally:
-            for weight, original in swapped:
-                weight.data = original
+            for base_layer, weight in swapped:
+                del base_layer.weight
+                base_layer.register_parameter("weight", weight)
 
     def _run(
         self, examples: Sequence[Example], loss_fn: str, loss_config: dict[str, Any] | None, *, backward: bool
@@ -192,8 +197,14 @@ class LoraTrainer:
     def forward_backward(
         self, name: str, examples: Sequence[Example], loss_fn: str, loss_config: dict[str, Any] | None
     ) -> tuple[list[np.ndarray], dict[str, float]]:
-        """Logprobs and loss through the LoRA layers; gradients accumulate in adapter ``name``."""
+        """Logprobs and loss; gradients accumulate in adapter ``name``. Through peft's LoRA layers
+        (``W x + s B A x``, cheap) with stock ops; when an op plugin installs its own ops
+        (IsoExec), through the merged weights, differentiable in A and B, so that these logprobs
+        are the sampler's bits too (one weight-sized gradient product more per adapted layer)."""
         self._adapter(name)
+        if self.merged_training:
+            with self._merged(lora.adapter_tensors(self.model, name, live=True)):
+                return self._run(examples, loss_fn, loss_config, backward=True)
         lora.select(self.model, name)
         try:
             return self._run(examples, loss_fn, loss_config, backward=True)
