@@ -110,12 +110,20 @@ def test_rl_loop_with_importance_sampling_raises_the_reward(server):
     tc = _client(url).create_lora_training_client(base_model="tiny", rank=8, seed=0).result()
     tokenizer = byte_tokenizer()
     prompts = arithmetic_prompts(tokenizer.encode, 8)
-    sampler = tc.save_weights_and_get_sampling_client().result()
+    sampler = first = tc.save_weights_and_get_sampling_client().result()
     rewards = []
     for step in range(10):
         reward, sampler = rl_step(tc, sampler, prompts, samples=8, max_tokens=4, learning_rate=2e-2, seed=step)
         rewards.append(reward)
     assert np.mean(rewards[-3:]) > np.mean(rewards[:3]) + 0.15, rewards
+
+    # retrieve_futures: the first sampling session's 8 finished requests, then nothing after the cursor.
+    target = {"target": {"sampling_session_id": first._sampling_session_id}}
+    with httpx.Client(base_url=url, timeout=30) as http:
+        polled = http.post("/api/v1/retrieve_futures", json={**target, "prev_cursor": 0}, headers=HEADERS).json()
+        assert polled["cursor"] == 8 and [c["state"] for c in polled["completions"]] == ["finished"] * 8
+        again = http.post("/api/v1/retrieve_futures", json={**target, "prev_cursor": 8}, headers=HEADERS).json()
+        assert again == {"completions": [], "cursor": 8}
 
 
 def test_save_state_load_state_round_trips_weights_and_optimizer_bit_for_bit(server):

@@ -67,10 +67,14 @@ def create_app(service: TinkerService, *, api_keys: set[str] | None = None, max_
     async def refused(request: Request, exc: TinkerError) -> JSONResponse:
         return error(exc.status, str(exc))
 
-    async def body(request: Request, model: type) -> Any:
-        raw = await request.body()
+    async def read(request: Request) -> bytes:
+        raw = await request.body()  # (a chunked body has no Content-Length for the middleware to check)
         if len(raw) > max_body_bytes:
             raise TinkerError(f"request body of {len(raw)} bytes exceeds the server's limit of {max_body_bytes} bytes", status=413)
+        return raw
+
+    async def body(request: Request, model: type) -> Any:
+        raw = await read(request)
         try:
             return model.model_validate_json(raw or b"{}")
         except ValidationError as exc:
@@ -127,9 +131,23 @@ def create_app(service: TinkerService, *, api_keys: set[str] | None = None, max_
 
     # --- training -------------------------------------------------------------------------------------
 
-    @app.post(f"{API}/create_model")
-    async def create_model(request: Request) -> dict:
-        return service.create_model(owner(request), await body(request, types.CreateModelRequest))
+    def typed_route(path: str, method: Callable[[str, Any], dict], request_type: type) -> None:
+        """POST ``path``: the body validated as the SDK's ``request_type``, handed to ``method``."""
+
+        async def endpoint(request: Request) -> dict:
+            return method(owner(request), await body(request, request_type))
+
+        app.add_api_route(f"{API}/{path}", endpoint, methods=["POST"], name=path)
+
+    for path, method, request_type in (
+        ("create_model", service.create_model, types.CreateModelRequest),
+        ("optim_step", service.optim_step, types.OptimStepRequest),
+        ("save_weights", service.save_weights, types.SaveWeightsRequest),
+        ("save_weights_for_sampler", service.save_weights_for_sampler, types.SaveWeightsForSamplerRequest),
+        ("load_weights", service.load_weights, types.LoadWeightsRequest),
+        ("asample", service.asample, types.SampleRequest),
+    ):
+        typed_route(path, method, request_type)
 
     @app.post(f"{API}/get_info")
     async def get_info(request: Request) -> dict:
@@ -138,9 +156,7 @@ def create_app(service: TinkerService, *, api_keys: set[str] | None = None, max_
 
     @app.post(f"{API}/forward_backward")
     async def forward_backward(request: Request) -> dict:
-        raw = await request.body()
-        if len(raw) > max_body_bytes:
-            raise TinkerError(f"request body of {len(raw)} bytes exceeds the server's limit of {max_body_bytes} bytes", status=413)
+        raw = await read(request)
         if "protobuf" not in request.headers.get("content-type", ""):
             raise TinkerError("forward_backward takes an application/x-protobuf body (tinker SDK >= 0.38)", status=415)
         try:
@@ -148,22 +164,6 @@ def create_app(service: TinkerService, *, api_keys: set[str] | None = None, max_
         except WireError as exc:
             raise TinkerError(str(exc), status=422) from None
         return service.forward_backward(owner(request), call)
-
-    @app.post(f"{API}/optim_step")
-    async def optim_step(request: Request) -> dict:
-        return service.optim_step(owner(request), await body(request, types.OptimStepRequest))
-
-    @app.post(f"{API}/save_weights")
-    async def save_weights(request: Request) -> dict:
-        return service.save_weights(owner(request), await body(request, types.SaveWeightsRequest))
-
-    @app.post(f"{API}/save_weights_for_sampler")
-    async def save_weights_for_sampler(request: Request) -> dict:
-        return service.save_weights_for_sampler(owner(request), await body(request, types.SaveWeightsForSamplerRequest))
-
-    @app.post(f"{API}/load_weights")
-    async def load_weights(request: Request) -> dict:
-        return service.load_weights(owner(request), await body(request, types.LoadWeightsRequest))
 
     # --- sampling -------------------------------------------------------------------------------------
 
@@ -175,10 +175,6 @@ def create_app(service: TinkerService, *, api_keys: set[str] | None = None, max_
     @app.get(f"{API}/samplers/{{sampler_id}}")
     async def sampler(request: Request, sampler_id: str) -> dict:
         return service.sampler_info(owner(request), sampler_id)
-
-    @app.post(f"{API}/asample")
-    async def asample(request: Request) -> dict:
-        return service.asample(owner(request), await body(request, types.SampleRequest))
 
     # --- futures --------------------------------------------------------------------------------------
 
@@ -194,6 +190,18 @@ def create_app(service: TinkerService, *, api_keys: set[str] | None = None, max_
         if form == "proto":
             return Response(payload, media_type="application/x-protobuf")
         return JSONResponse(payload)
+
+    @app.post(f"{API}/retrieve_futures")
+    async def retrieve_futures(request: Request) -> dict:
+        r = await body(request, types.FuturesRetrieveRequest)
+        deadline = min(r.timeout if r.timeout is not None else LONG_POLL_SECONDS, LONG_POLL_SECONDS)
+        waited = 0.0
+        while True:  # long-poll until something finished after the cursor, or the deadline
+            completions, cursor, pending = service.session_completions(owner(request), r.target.sampling_session_id, r.prev_cursor)
+            if completions or not pending or waited >= deadline:
+                return {"completions": completions, "cursor": cursor}
+            await asyncio.sleep(0.01)
+            waited += 0.01
 
     @app.post(f"{API}/cancel_future")
     async def cancel_future() -> dict:

@@ -95,10 +95,13 @@ class TinkerService:
 
     # --- the work queue -----------------------------------------------------------------------------
 
-    def submit(self, owner: str, kind: str, model_id: str | None, work: Callable[[], Result], **extra: Any) -> dict[str, Any]:
+    def submit(
+        self, owner: str, kind: str, model_id: str | None, work: Callable[[], Result], *,
+        sampling_session: str | None = None, **extra: Any,
+    ) -> dict[str, Any]:
         """Queue ``work``; the promise the SDK polls (``UntypedAPIFuture``) plus ``extra`` fields."""
         future_id = uuid.uuid4().hex
-        self.store.add(FutureRow(id=future_id, owner=owner, model_id=model_id, kind=kind))
+        self.store.add(FutureRow(id=future_id, owner=owner, model_id=model_id, kind=kind, sampling_session=sampling_session))
         self._finished[future_id] = threading.Event()
         self._queue.put((future_id, work))
         return {"request_id": future_id, "model_id": model_id, **extra}
@@ -145,6 +148,20 @@ class TinkerService:
         if row.status == FAILED:
             return "json", {"error": row.error, "category": row.category or "unknown"}
         return "json", {"type": "try_again", "request_id": future_id, "queue_state": "active"}
+
+    def session_completions(self, owner: str, sampling_session_id: str, cursor: int) -> tuple[list[dict[str, Any]], int, bool]:
+        """The sampling session's requests finished after ``cursor`` (their count so far: one
+        worker runs requests in submission order, so finished ones are always a prefix), the new
+        cursor, and whether any of its requests is still unfinished."""
+        self.sampler_info(owner, sampling_session_id)
+        rows = self.store.rows(FutureRow, owner=owner, sampling_session=sampling_session_id)
+        finished = [r for r in rows if r.status in (DONE, FAILED)]
+        completions = [
+            {"state": "finished", "request_id": r.id, "response_payload_uncompressed_size": len(r.result_proto or b"")}
+            if r.status == DONE else {"state": "failed", "request_id": r.id}
+            for r in finished[cursor:]
+        ]
+        return completions, len(finished), len(finished) < len(rows)
 
     def close(self) -> None:
         self._queue.put(None)
@@ -556,7 +573,8 @@ class TinkerService:
 
         # Sequence identity is fixed at submission: one id per requested sample, in response order.
         sequence_ids = [f"{uuid.uuid4().hex[:12]}:{i}" for i in range(request.num_samples)]
-        return self.submit(owner, "sample", None, work, sample_sequence_ids=sequence_ids)
+        return self.submit(owner, "sample", None, work, sampling_session=request.sampling_session_id,
+                           sample_sequence_ids=sequence_ids)
 
     def _sampler_weights(self, model_path: str | None, directory: str | None) -> Any:
         from skyrl_tinker.trainer import read_adapter

@@ -60,6 +60,7 @@ class FutureRow(Base):
     owner: Mapped[str] = mapped_column(String, index=True)
     model_id: Mapped[str | None] = mapped_column(String, nullable=True, index=True)
     kind: Mapped[str] = mapped_column(String)
+    sampling_session: Mapped[str | None] = mapped_column(String, nullable=True, index=True)
     status: Mapped[str] = mapped_column(String, default=PENDING)
     result_json: Mapped[str | None] = mapped_column(Text, nullable=True)
     result_proto: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
