@@ -32,7 +32,34 @@ TINY_QWEN3_MOE = {
     "tie_word_embeddings": False,
 }
 
-__all__ = ["TINY_LLAMA", "TINY_QWEN3", "TINY_QWEN3_MOE"]
+# The Qwen3-Next hybrid: a GatedDeltaNet layer, then a gated full-attention layer; experts with a
+# gated shared expert; partial rotary; (1 + weight) norms.
+TINY_QWEN3_NEXT = {
+    "model_type": "qwen3_next",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "layer_types": ["linear_attention", "full_attention"],
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "norm_topk_prob": True,
+    "partial_rotary_factor": 0.25,
+    "vocab_size": 512,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+}
+
+__all__ = ["TINY_LLAMA", "TINY_QWEN3", "TINY_QWEN3_MOE", "TINY_QWEN3_NEXT"]
 
 
 def logprobs_minus_one(logits, token_ids, temperature=1.0):

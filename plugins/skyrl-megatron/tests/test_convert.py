@@ -6,11 +6,13 @@ import torch
 from skyrl_core.config.schema import ModelConfig
 from skyrl_core.models import build_hf_config, load_causal_lm
 from skyrl_core.testing.backend_contract import assert_weights_bitwise_equal, bits
-from skyrl_megatron.convert import hf_to_megatron, megatron_to_hf
+from skyrl_megatron.convert import expert_name, hf_to_megatron, megatron_to_hf
 from skyrl_megatron.layout import layout_from_hf_config
 
-from megatron_test_models import TINY_LLAMA, TINY_QWEN3, TINY_QWEN3_MOE
+from megatron_test_models import TINY_LLAMA, TINY_QWEN3, TINY_QWEN3_MOE, TINY_QWEN3_NEXT
 
+# Qwen3-Next with a dense MLP in layer 1 (mlp_only_layers) and one in layer 0 (decoder_sparse_step 2).
+DENSE_QWEN3_NEXT = {**TINY_QWEN3_NEXT, "decoder_sparse_step": 2, "mlp_only_layers": [1]}
 # Vocabulary 510 is not divisible by 4: the shards are padded with zero rows.
 ODD_VOCAB_QWEN3 = {**TINY_QWEN3, "vocab_size": 510, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 16}
 
@@ -25,10 +27,12 @@ def hf_state(config: dict) -> tuple[dict[str, torch.Tensor], object]:
     [
         (TINY_QWEN3, 1), (TINY_QWEN3, 2), (TINY_LLAMA, 1), (TINY_LLAMA, 2),
         (ODD_VOCAB_QWEN3, 2), (ODD_VOCAB_QWEN3, 4), (TINY_QWEN3_MOE, 1), (TINY_QWEN3_MOE, 2),
+        (TINY_QWEN3_NEXT, 1), (TINY_QWEN3_NEXT, 2), (DENSE_QWEN3_NEXT, 2),
     ],
     ids=[
         "qwen3-tied-tp1", "qwen3-tied-tp2", "llama-untied-tp1", "llama-untied-tp2",
         "qwen3-vocab510-tp2", "qwen3-vocab510-tp4", "qwen3-moe-tp1", "qwen3-moe-tp2",
+        "qwen3-next-tp1", "qwen3-next-tp2", "qwen3-next-dense-mlp-tp2",
     ],
 )
 def test_round_trip_is_bit_exact(config, tp):
@@ -106,7 +110,7 @@ def test_experts_hold_their_gate_and_up_rows_and_the_router_its_weight():
     ("change", "message"),
     [
         ({"model_type": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 32, "mlp_only_layers": [1]}, "dense layers between expert layers"),
-        ({"model_type": "qwen3_next"}, "model_type 'qwen3_next' is not supported"),
+        ({"model_type": "gemma3_text"}, "model_type 'gemma3_text' is not supported"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
         ({"attention_bias": True}, "attention_bias=True"),
         ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope type 'linear'"),
@@ -121,3 +125,54 @@ def test_tensor_parallel_must_divide_the_heads():
     hf, layout = hf_state(TINY_QWEN3)
     with pytest.raises(ValueError, match=r"tensor_parallel=3 does not divide the model's num_attention_heads \(4\)"):
         hf_to_megatron(hf, layout, tp_rank=0, tp_size=3)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_round_trip_with_experts_split_over_expert_parallel_ranks(tp):
+    hf, layout = hf_state(TINY_QWEN3_NEXT)
+    ep = 2
+    # Every (tp, ep) shard; megatron_to_hf takes each tensor-parallel rank with every expert, numbered globally.
+    shards = []
+    for r in range(tp):
+        merged: dict[str, torch.Tensor] = {}
+        for e in range(ep):
+            part = hf_to_megatron(hf, layout, tp_rank=r, tp_size=tp, ep_rank=e, ep_size=ep)
+            for name, t in part.items():
+                if ".local_experts." in name:
+                    local = int(name.split(".local_experts.")[1].split(".")[0])
+                    name = expert_name(name, e * (layout.num_experts // ep) + local)
+                merged[name] = t
+        shards.append(merged)
+    assert_weights_bitwise_equal(megatron_to_hf(shards, layout), hf)
+
+
+def test_gated_delta_net_in_proj_holds_each_ranks_q_k_v_z_b_a():
+    hf, layout = hf_state(TINY_QWEN3_NEXT)  # key heads 2 (dim 16), value heads 4 (dim 16): 2 value heads per key head
+    qkvz = hf["model.layers.0.linear_attn.in_proj_qkvz.weight"].reshape(2, 16 + 16 + 32 + 32, -1)  # per key head
+    ba = hf["model.layers.0.linear_attn.in_proj_ba.weight"].reshape(2, 4, -1)  # per key head: b (2), a (2)
+    shard = hf_to_megatron(hf, layout, tp_rank=1, tp_size=2)  # rank 1: key head 1, value heads 2 and 3
+    in_proj = shard["decoder.layers.0.self_attention.in_proj.weight"]
+    q, k, v, z, b, a = in_proj.split([16, 16, 32, 32, 2, 2])
+    head = qkvz[1]
+    assert torch.equal(q, head[:16]) and torch.equal(k, head[16:32])
+    assert torch.equal(v, head[32:64]) and torch.equal(z, head[64:])
+    assert torch.equal(b, ba[1, :2]) and torch.equal(a, ba[1, 2:])
+    conv = hf["model.layers.0.linear_attn.conv1d.weight"]  # channels: q (2 x 16), k (2 x 16), v (4 x 16)
+    mine = shard["decoder.layers.0.self_attention.conv1d.weight"]
+    assert torch.equal(mine, torch.cat([conv[16:32], conv[48:64], conv[96:128]]))
+    for name in ("A_log", "dt_bias"):
+        assert torch.equal(shard[f"decoder.layers.0.self_attention.{name}"], hf[f"model.layers.0.linear_attn.{name}"][2:])
+    assert torch.equal(shard["decoder.layers.0.self_attention.out_proj.weight"], hf["model.layers.0.linear_attn.out_proj.weight"][:, 32:])
+
+
+def test_gated_attention_groups_each_query_head_with_its_gate():
+    hf, layout = hf_state(TINY_QWEN3_NEXT)  # 4 query heads of 32, interleaved with their gates in q_proj
+    q_proj = hf["model.layers.1.self_attn.q_proj.weight"].reshape(4, 2, 32, -1)  # [head, (query, gate), D, H]
+    k, v = hf["model.layers.1.self_attn.k_proj.weight"], hf["model.layers.1.self_attn.v_proj.weight"]
+    qkv = hf_to_megatron(hf, layout, tp_rank=1, tp_size=2)["decoder.layers.1.self_attention.linear_qkv.weight"]
+    # rank 1: query group 1 = query heads 2, 3; then their gates; then key and value head 1
+    query, gate, key, value = qkv.split([64, 64, 32, 32])
+    assert torch.equal(query, q_proj[2:, 0].reshape(64, -1)) and torch.equal(gate, q_proj[2:, 1].reshape(64, -1))
+    assert torch.equal(key, k[32:]) and torch.equal(value, v[32:])
+    shared = hf_to_megatron(hf, layout, tp_rank=0, tp_size=1)
+    assert torch.equal(shared["decoder.layers.1.mlp.shared_experts.gate_weight"], hf["model.layers.1.mlp.shared_expert_gate.weight"])

@@ -60,7 +60,9 @@ def contract_show(config_path: str, overrides: tuple[str, ...]) -> None:
               help="Training backend that scores the tokens (megatron: skyrl-megatron's GPTModel on CPU/gloo).")
 @click.option("--tensor-parallel", type=click.IntRange(min=1), default=1, show_default=True,
               help="Megatron only: tensor-parallel degree (2 or more runs Ray actors); the bits must not change with it.")
-def verify_command(preset, model_dir, engine, dtype, seed, batches, off, backend, tensor_parallel) -> None:
+@click.option("--expert-parallel", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Megatron only, MoE models: experts split over this many data-parallel replicas (Ray actors).")
+def verify_command(preset, model_dir, engine, dtype, seed, batches, off, backend, tensor_parallel, expert_parallel) -> None:
     """Generate with the engine, score the same tokens in the trainer, compare bits; exit 1 if any differ.
 
     The trainer is skyrl-fsdp (default) or, with --backend megatron, skyrl-megatron at
@@ -72,13 +74,15 @@ def verify_command(preset, model_dir, engine, dtype, seed, batches, off, backend
         raise click.UsageError("give exactly one of --preset and --model")
     if tensor_parallel != 1 and backend != "megatron":
         raise click.UsageError("--tensor-parallel needs --backend megatron")
+    if expert_parallel != 1 and backend != "megatron":
+        raise click.UsageError("--expert-parallel needs --backend megatron")
     from skyrl_core.plugins.manager import PluginError
     from skyrl_isoexec.verify import verify
 
     try:
         report = verify(
             preset=preset, model_dir=model_dir, engine=engine, dtype=dtype, seed=seed, batches=batches, off=off,
-            backend=backend, tensor_parallel=tensor_parallel, echo=click.echo,
+            backend=backend, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel, echo=click.echo,
         )
     except (NotImplementedError, ValueError, KeyError, PluginError) as exc:  # an engine or model that cannot run this
         click.echo(f"error: {exc}", err=True)

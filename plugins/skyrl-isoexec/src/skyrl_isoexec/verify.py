@@ -60,17 +60,23 @@ def build_runtime(kind: str, name: str, options: dict[str, Any], model: Any, **k
 TRAINER_BACKENDS = ("fsdp", "megatron")
 
 
-def trainer_options(backend: str, *, dtype: str, world_size: int = 1, tensor_parallel: int = 1) -> dict[str, Any]:
+def trainer_options(
+    backend: str, *, dtype: str, world_size: int = 1, tensor_parallel: int = 1, expert_parallel: int = 1
+) -> dict[str, Any]:
     """The options of the trainer backend ``backend`` on CPU: ``world_size`` processes (FSDP) or
-    ``world_size`` data-parallel replicas of ``tensor_parallel`` processes each (Megatron)."""
+    ``world_size`` data-parallel replicas of ``tensor_parallel`` processes each (Megatron; at least
+    ``expert_parallel`` replicas, over which the experts are split)."""
     precision = "bf16" if dtype == "bfloat16" else "fp32"
     if backend == "fsdp":
         if tensor_parallel != 1:
             raise ValueError(f"tensor parallel {tensor_parallel} needs --backend megatron (skyrl-fsdp shards, it does not split layers)")
+        if expert_parallel != 1:
+            raise ValueError(f"expert parallel {expert_parallel} needs --backend megatron (skyrl-fsdp does not split experts)")
         return {"world_size": world_size, "device": "cpu", "mixed_precision": precision}
     if backend == "megatron":
         return {
-            "tensor_parallel": tensor_parallel, "world_size": tensor_parallel * world_size, "device": "cpu",
+            "tensor_parallel": tensor_parallel, "world_size": tensor_parallel * max(world_size, expert_parallel),
+            "expert_parallel": expert_parallel, "device": "cpu",
             "mixed_precision": precision,
         }
     raise ValueError(f"verify builds the trainer from one of {', '.join(TRAINER_BACKENDS)}; got {backend!r}")
@@ -149,17 +155,20 @@ def verify(
     world_size: int = 1,
     backend: str = "fsdp",
     tensor_parallel: int = 1,
+    expert_parallel: int = 1,
     echo: Callable[[str], None] = print,
 ) -> VerifyReport:
     """Generate ``batches`` batches with ``engine``, score them in the trainer ``backend`` (``fsdp`` or
-    ``megatron``, at ``tensor_parallel``), compare bits."""
+    ``megatron``, at ``tensor_parallel`` and ``expert_parallel``), compare bits."""
     from skyrl_core.config.schema import TrainerConfig
     from skyrl_isoexec.contract import build_contract, compare
 
     from skyrl_core.plugins.manager import get_plugin_manager
 
     model = model_config(preset=preset, model_dir=model_dir, dtype=dtype)
-    options = trainer_options(backend, dtype=dtype, world_size=world_size, tensor_parallel=tensor_parallel)
+    options = trainer_options(
+        backend, dtype=dtype, world_size=world_size, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel
+    )
     get_plugin_manager().spec("inference_engine", engine)  # an unknown name fails before any build
     get_plugin_manager().spec("training_backend", backend)
     with state.enabled_scope(not off):
