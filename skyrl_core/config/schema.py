@@ -250,11 +250,14 @@ class TrainerConfig:
                        "null: rows only"),
     )
     logprob_chunk_tokens: int = attrs.field(
-        default=1024, validator=_positive,
+        default=256, validator=_positive,
         metadata=_help("positions whose logits (x vocabulary) are computed at once in logprobs and loss"),
     )
     activation_checkpointing: bool = attrs.field(
         default=False, metadata=_help("recompute each decoder layer in backward instead of storing its activations")
+    )
+    engine_sleep: bool = attrs.field(
+        default=False, metadata=_help("free the engine's KV cache (engine.sleep) while the trainer trains")
     )
     memory_check: bool = attrs.field(
         default=True, metadata=_help("refuse a run whose estimated peak memory exceeds what this process may use")

@@ -27,8 +27,9 @@ from skyrl_core.ops.install import token_logprobs
 from skyrl_core.ops.ledger import OpLedger
 from skyrl_core.ops.vocabulary import current_site, site_scope
 
-# 1024 positions x 49k vocabulary = 200 MB per fp32 copy of a chunk's logits.
-DEFAULT_CHUNK_TOKENS = 1024
+# 256 positions x 49k vocabulary = 50 MB per fp32 copy of a chunk's logits; the head's GEMM is
+# still large enough to run at full speed.
+DEFAULT_CHUNK_TOKENS = 256
 
 
 class _HiddenConsumer(torch.nn.Module):
@@ -45,15 +46,16 @@ class _HiddenConsumer(torch.nn.Module):
 @contextlib.contextmanager
 def _head_replaced(model: Any, consume: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
     head = model.get_output_embeddings()
-    name = next(n for n, m in model.named_children() if m is head)
+    # the head's parent: the model itself, or a wrapper's inner model (e.g. an adapter-injected one)
+    parent, name = next((m, n) for m in model.modules() for n, child in m.named_children() if child is head)
     cap = getattr(model.config, "final_logit_softcapping", None)
-    model._modules[name] = _HiddenConsumer(consume)
+    parent._modules[name] = _HiddenConsumer(consume)
     if cap:
         model.config.final_logit_softcapping = None  # ``output_head`` applies it, chunk by chunk
     try:
         yield
     finally:
-        model._modules[name] = head
+        parent._modules[name] = head
         if cap:
             model.config.final_logit_softcapping = cap
 

@@ -115,18 +115,20 @@ def estimate_step_memory(cfg: Config, *, baseline_bytes: int, hf_config: Any = N
     chunk = min(tc.logprob_chunk_tokens, micro_tokens)
 
     activations = world * micro_tokens * activation_bytes_per_token(hf_config, checkpointing=tc.activation_checkpointing)
+    kv_cache = slots * capacity * kv_bytes_per_token
+    training = activations + world * rows_in_micro * longest * longest * FP32 + world * LOGIT_COPIES * chunk * vocab * FP32
     parts = {
         "this process now": baseline_bytes,
         "further rank processes": (world - 1) * RANK_PROCESS_BYTES,
         "trainer weights+gradients+AdamW": 4 * FP32 * parameters,
         "reference weights": FP32 * parameters if use_kl else 0,
         "engine weights": engine_bytes_per_param * parameters,
-        "engine KV cache": slots * capacity * kv_bytes_per_token,
-        # training holds activations and a logits chunk; a weight sync holds a full fp32 copy instead
-        "largest micro-batch activations+mask+logits chunk": max(
-            activations + world * rows_in_micro * longest * longest * FP32 + world * LOGIT_COPIES * chunk * vocab * FP32,
-            FP32 * parameters,
-        ),
+        # the phases do not overlap: rollouts hold the KV cache; training holds the largest
+        # micro-batch's activations, mask and a logits chunk (and the KV cache unless the engine
+        # sleeps); a weight sync holds a full fp32 copy of the weights
+        "engine KV cache": kv_cache if not tc.engine_sleep else 0,
+        "largest micro-batch activations+mask+logits chunk": max(training, FP32 * parameters,
+                                                                 kv_cache if tc.engine_sleep else 0),
     }
     return MemoryEstimate(parts=parts, largest_micro_batch_tokens=micro_tokens)
 
@@ -174,6 +176,7 @@ def check_step_memory(cfg: Config, *, usable: int | None = None) -> MemoryEstima
         f"{str(tc.activation_checkpointing).lower()}), lower trainer.logprob_chunk_tokens (now "
         f"{tc.logprob_chunk_tokens}), rollout.max_prompt_tokens / rollout.max_response_tokens, or the "
         f"samples decoded together (data.prompts_per_step x generation.n_samples, the engine's "
-        f"max_num_seqs); trainer.memory_check=false skips this check"
+        f"max_num_seqs), or set trainer.engine_sleep=true (now {str(tc.engine_sleep).lower()}); "
+        f"trainer.memory_check=false skips this check"
     )
     raise ConfigError([ConfigIssue(path="trainer.micro_batch_tokens", message=message)])

@@ -174,6 +174,9 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
 
             if samples:
                 batch = build_training_batch(samples, codec.pad_token_id)
+                if tc.engine_sleep:  # the KV cache is not needed again before the next generation
+                    engine.sleep()
+                release_freed_memory()  # the rollout's freed heap blocks go back before training allocates
 
                 activity.now(step, "computing old logprobs (and reference logprobs)")
                 # 2. old logprobs: the trainer's logprobs of the sampled tokens under the sampling policy.
@@ -235,6 +238,9 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
                     metrics["kl_coef"] = kl_ctl.value
 
                 activity.now(step, "syncing weights to the engine")
+                if tc.engine_sleep:
+                    engine.wake()
+                release_freed_memory()  # training's freed blocks go back before the weights are copied
                 # 5. contract handshake, then weight sync to the engine
                 t = time.perf_counter()
                 handshake(pm, backend, engine)
