@@ -11,6 +11,7 @@ from skyrl_core.testing.backend_contract import (
     PROMPT_LENGTHS,
     RESPONSE_LENGTHS,
     TINY_QWEN3,
+    assert_weights_bitwise_equal,
     hf_model_with,
     make_batch,
     mean_logprob_loss,
@@ -174,3 +175,44 @@ def test_columns_of_padding_are_trimmed_and_change_nothing(batch):
     # rows 1 and 3 (prompts 7 and 5, responses 2 and 4), then rows 2 and 0 (prompts 1 and 3,
     # responses 5 and 6).
     assert shapes == [((2, 7 + 4), (2, 4), (2, 4)), ((2, 3 + 6), (2, 6), (2, 6))]
+
+
+def test_activation_checkpointing_applies_and_keeps_the_update(batch):
+    def trained(checkpointing):
+        trainer = TrainerConfig(lr=3e-3, micro_batch_size=2, activation_checkpointing=checkpointing)
+        with FSDPBackend(MODEL, FSDPOptions(device="cpu"), trainer=trainer) as fsdp:
+            layers = fsdp._local.model.model.layers
+            assert all(getattr(layer, "_skyrl_checkpointed", False) == checkpointing for layer in layers)
+            metrics = {**fsdp.forward_backward(batch, mean_logprob_loss), **fsdp.optim_step()}
+            return metrics, dict(fsdp.export_weights())
+
+    plain, plain_weights = trained(False)
+    recomputed, recomputed_weights = trained(True)
+    # recomputation is deterministic: the same loss, gradient norm and updated weights, bit for bit
+    assert recomputed["loss"] == plain["loss"] and recomputed["grad_norm"] == plain["grad_norm"]
+    assert_weights_bitwise_equal(plain_weights, recomputed_weights)
+
+
+def test_token_budget_packs_rows_into_fewer_passes_without_changing_the_update(batch):
+    """Four rows of at most 12 positions: a budget of 24 puts two rows in a pass, one of 12 one row
+    (micro_batch_size 4 would allow all four); the loss and gradient do not depend on the packing."""
+    seen = {}
+
+    def results(tokens):
+        passes = []
+
+        def loss(logprobs, micro):
+            passes.append(tuple(micro.input_ids.shape))
+            return mean_logprob_loss(logprobs, micro)
+
+        trainer = TrainerConfig(lr=3e-3, micro_batch_size=4, micro_batch_tokens=tokens)
+        with FSDPBackend(MODEL, FSDPOptions(device="cpu"), trainer=trainer) as fsdp:
+            metrics = {**fsdp.forward_backward(batch, loss), **fsdp.optim_step()}
+        seen[tokens] = passes
+        return metrics
+
+    one_row, two_rows = results(12), results(24)
+    assert len(seen[12]) == 4 and len(seen[24]) == 2
+    assert all(rows * width <= 24 for rows, width in seen[24])
+    assert two_rows["loss"] == pytest.approx(one_row["loss"], abs=1e-6)
+    assert two_rows["grad_norm"] == pytest.approx(one_row["grad_norm"], rel=1e-5)
