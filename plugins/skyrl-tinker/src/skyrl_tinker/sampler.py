@@ -15,7 +15,7 @@ import torch
 
 from skyrl_core import lora
 from skyrl_core.config.schema import ModelConfig
-from skyrl_core.types import GenerationRequest, SamplingParams
+from skyrl_core.types import GenerationRequest
 
 
 def build_engine(name: str, model_dir: str, seed: int = 0) -> Any:
@@ -45,12 +45,10 @@ class Sampler:
         self.changed = names
         self.loaded = key
 
-    def sample(
-        self, request_id: str, prompt: Sequence[int], num_samples: int, params: SamplingParams
-    ) -> list[tuple[str, tuple[int, ...], tuple[float, ...]]]:
-        request = GenerationRequest(request_id=request_id, prompt_token_ids=tuple(prompt), sampling=params)
-        (samples,) = self.engine.generate([request])
-        return [(s.stop_reason, s.token_ids, s.logprobs) for s in samples]
+    def sample(self, requests: Sequence[GenerationRequest]) -> list[list[tuple[str, tuple[int, ...], tuple[float, ...]]]]:
+        """One engine call for all ``requests``; per request, its samples as (stop reason, token
+        ids, logprobs)."""
+        return [[(s.stop_reason, s.token_ids, s.logprobs) for s in samples] for samples in self.engine.generate(list(requests))]
 
     def close(self) -> None:
         self.engine.close()

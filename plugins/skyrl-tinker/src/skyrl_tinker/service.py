@@ -21,6 +21,7 @@ import traceback
 import uuid
 from typing import Any, Callable
 
+import attrs
 import numpy as np
 
 from skyrl_tinker.losses import LossInputError, check_loss
@@ -60,6 +61,19 @@ class NotFound(TinkerError):
 
 
 Result = tuple[str, Any]  # ("json", dict) or ("proto", bytes)
+# Sampling requests queued back to back for the same weights share one engine call, up to this many.
+MAX_SAMPLE_BATCH = 64
+
+
+@attrs.frozen
+class SampleJob:
+    """A validated sampling request, queued like other work but run in batches (``_run_samples``)."""
+
+    model_path: str | None  # the sampler checkpoint; None: the base model
+    checkpoint_dir: str | None
+    prompt: list[int]
+    params: Any  # skyrl_core.types.SamplingParams
+    prompt_logprobs: bool
 
 
 class TinkerService:
@@ -96,7 +110,7 @@ class TinkerService:
     # --- the work queue -----------------------------------------------------------------------------
 
     def submit(
-        self, owner: str, kind: str, model_id: str | None, work: Callable[[], Result], *,
+        self, owner: str, kind: str, model_id: str | None, work: Callable[[], Result] | SampleJob, *,
         sampling_session: str | None = None, **extra: Any,
     ) -> dict[str, Any]:
         """Queue ``work``; the promise the SDK polls (``UntypedAPIFuture``) plus ``extra`` fields."""
@@ -111,25 +125,80 @@ class TinkerService:
             item = self._queue.get()
             if item is None:
                 return
-            future_id, work = item
-            self.store.update(FutureRow, future_id, status="running")
-            start = time.perf_counter()
-            try:
-                form, payload = work()
-            except TinkerError as error:
-                self.store.fail(future_id, str(error), "user")
-            except Exception as error:  # noqa: BLE001 - reported to the client, the server keeps serving
-                log.error("request %s failed:\n%s", future_id, traceback.format_exc())
-                self.store.fail(future_id, f"{type(error).__name__}: {error}", "server")
+            if isinstance(item[1], SampleJob):
+                self._run_samples([item, *self._next_samples(item[1])])
             else:
-                seconds = time.perf_counter() - start
-                if form == "proto":
-                    self.store.finish(future_id, proto=payload, seconds=seconds)
-                else:
-                    self.store.finish(future_id, result=payload, seconds=seconds)
-            event = self._finished.pop(future_id, None)
-            if event is not None:
-                event.set()
+                self._run(*item)
+
+    def _next_samples(self, first: SampleJob) -> list[tuple[str, SampleJob]]:
+        """The sampling requests queued right after ``first`` for the same weights: they run as one
+        batch in the engine (nothing queued between them is skipped, so order is kept)."""
+        taken: list[tuple[str, SampleJob]] = []
+        with self._queue.mutex:
+            waiting = self._queue.queue
+            while (waiting and waiting[0] is not None and isinstance(waiting[0][1], SampleJob)
+                   and waiting[0][1].model_path == first.model_path and len(taken) < MAX_SAMPLE_BATCH):
+                taken.append(waiting.popleft())
+        return taken
+
+    def _run(self, future_id: str, work: Callable[[], Result]) -> None:
+        self.store.update(FutureRow, future_id, status="running")
+        start = time.perf_counter()
+        try:
+            form, payload = work()
+        except Exception as error:  # noqa: BLE001 - reported to the client, the server keeps serving
+            self._failed(future_id, error)
+        else:
+            self._finish(future_id, form, payload, time.perf_counter() - start)
+
+    def _finish(self, future_id: str, form: str, payload: Any, seconds: float) -> None:
+        if form == "proto":
+            self.store.finish(future_id, proto=payload, seconds=seconds)
+        else:
+            self.store.finish(future_id, result=payload, seconds=seconds)
+        self._signal(future_id)
+
+    def _failed(self, future_id: str, error: Exception) -> None:
+        if isinstance(error, TinkerError):
+            self.store.fail(future_id, str(error), "user")
+        else:
+            log.error("request %s failed:\n%s", future_id, "".join(traceback.format_exception(error)))
+            self.store.fail(future_id, f"{type(error).__name__}: {error}", "server")
+        self._signal(future_id)
+
+    def _signal(self, future_id: str) -> None:
+        event = self._finished.pop(future_id, None)
+        if event is not None:
+            event.set()
+
+    def _run_samples(self, jobs: list[tuple[str, SampleJob]]) -> None:
+        """One engine ``generate`` for several sampling requests on the same weights."""
+        from skyrl_core.types import GenerationRequest
+
+        for future_id, _ in jobs:
+            self.store.update(FutureRow, future_id, status="running")
+        start = time.perf_counter()
+        first = jobs[0][1]
+        try:
+            tensors = self._sampler_weights(first.model_path, first.checkpoint_dir)
+            sampler = self._get_sampler()
+            sampler.load(first.model_path, tensors, self.trainer.base_weights())
+            requests = [GenerationRequest(request_id=fid, prompt_token_ids=tuple(job.prompt), sampling=job.params) for fid, job in jobs]
+            results = sampler.sample(requests)
+        except Exception as error:  # noqa: BLE001
+            for future_id, _ in jobs:
+                self._failed(future_id, error)
+            return
+        seconds = (time.perf_counter() - start) / len(jobs)
+        for (future_id, job), sequences in zip(jobs, results):
+            try:
+                prompt_logprobs = None
+                if job.prompt_logprobs:
+                    scored = self.trainer.score(tensors, job.prompt)
+                    prompt_logprobs = np.concatenate([np.array([np.nan], dtype=np.float32), scored])
+                self._finish(future_id, "proto", encode_sample_response(sequences, prompt_logprobs), seconds)
+            except Exception as error:  # noqa: BLE001
+                self._failed(future_id, error)
 
     def done_event(self, future_id: str) -> threading.Event | None:
         return self._finished.get(future_id)
@@ -558,22 +627,11 @@ class TinkerService:
         params = SamplingParams(max_tokens=max_tokens, temperature=p.temperature, top_p=p.top_p,
                                 top_k=max(0, p.top_k), n=request.num_samples, seed=p.seed,
                                 stop=stop_strings, stop_token_ids=stop_ids)
-        want_prompt_logprobs = bool(request.prompt_logprobs)
 
-        def work() -> Result:
-            tensors = self._sampler_weights(model_path, checkpoint_dir)
-            sampler = self._get_sampler()
-            sampler.load(model_path, tensors, self.trainer.base_weights())
-            sequences = sampler.sample(uuid.uuid4().hex, prompt, request.num_samples, params)
-            prompt_logprobs = None
-            if want_prompt_logprobs:
-                scored = self.trainer.score(tensors, prompt)
-                prompt_logprobs = np.concatenate([np.array([np.nan], dtype=np.float32), scored])
-            return "proto", encode_sample_response(sequences, prompt_logprobs)
-
+        job = SampleJob(model_path, checkpoint_dir, prompt, params, bool(request.prompt_logprobs))
         # Sequence identity is fixed at submission: one id per requested sample, in response order.
         sequence_ids = [f"{uuid.uuid4().hex[:12]}:{i}" for i in range(request.num_samples)]
-        return self.submit(owner, "sample", None, work, sampling_session=request.sampling_session_id,
+        return self.submit(owner, "sample", None, job, sampling_session=request.sampling_session_id,
                            sample_sequence_ids=sequence_ids)
 
     def _sampler_weights(self, model_path: str | None, directory: str | None) -> Any:
