@@ -3,8 +3,10 @@ may use. A run the kernel would kill mid-step (silently, from its point of view)
 with the knobs that lower the peak.
 
 The estimate adds, on one machine:
-- the trainer's fp32 weights, gradients and AdamW moments (16 bytes a parameter), the reference
-  policy's weights (KL), the engine's weights, and a full weight copy when weights are synced;
+- the trainer's fp32 weights, gradients and AdamW moments: 26 bytes a parameter, measured on the
+  FSDP backend (weights held as loaded and as shards: 2.6 copies; gradients gathered and reduced:
+  2 copies; two AdamW moments), the reference policy's weights (KL), the engine's weights twice
+  (as loaded and as packed GEMM operands), and a full weight copy when weights are synced;
 - the activations autograd keeps for the largest micro-batch (every decoder layer's intermediate
   tensors, or only layer inputs plus one layer with ``trainer.activation_checkpointing``), and its
   attention mask;
@@ -28,6 +30,7 @@ from skyrl_core.config.schema import Config
 GIB = 1024**3
 FP32 = 4
 RANK_PROCESS_BYTES = 600 * 1024**2  # a further Python process with torch and transformers imported
+TRAINER_BYTES_PER_PARAMETER = 26  # fp32: 2.6 weight copies + 2 gradient copies + 2 AdamW moments, x 4 bytes
 LOGIT_COPIES = 6  # logits, log-softmax, its exp (entropy), and their gradients in backward
 
 
@@ -120,9 +123,9 @@ def estimate_step_memory(cfg: Config, *, baseline_bytes: int, hf_config: Any = N
     parts = {
         "this process now": baseline_bytes,
         "further rank processes": (world - 1) * RANK_PROCESS_BYTES,
-        "trainer weights+gradients+AdamW": 4 * FP32 * parameters,
+        "trainer weights+gradients+AdamW": TRAINER_BYTES_PER_PARAMETER * parameters,
         "reference weights": FP32 * parameters if use_kl else 0,
-        "engine weights": engine_bytes_per_param * parameters,
+        "engine weights": 2 * engine_bytes_per_param * parameters,
         # the phases do not overlap: rollouts hold the KV cache; training holds the largest
         # micro-batch's activations, mask and a logits chunk (and the KV cache unless the engine
         # sleeps); a weight sync holds a full fp32 copy of the weights
