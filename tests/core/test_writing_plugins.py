@@ -29,10 +29,14 @@ def installed_example_plugin():
 
 
 def test_doc_code_is_the_fixture_code():
+    """Every file of the package is in the doc, as it is in the fixture that is installed."""
     doc = (REPO / "docs" / "writing_plugins.md").read_text()
+    (pyproject,) = re.findall(r"```toml\n(.*?)```", doc, flags=re.S)
+    assert pyproject == (PACKAGE / "pyproject.toml").read_text()
     blocks = re.findall(r"```python\n(.*?)```", doc, flags=re.S)
-    assert blocks[0] == (PACKAGE / "skyrl_clipped_reinforce" / "plugin.py").read_text()
-    assert blocks[1] == (PACKAGE / "skyrl_clipped_reinforce" / "loss.py").read_text()
+    assert blocks[0] == (PACKAGE / "skyrl_clipped_reinforce" / "__init__.py").read_text()
+    assert blocks[1] == (PACKAGE / "skyrl_clipped_reinforce" / "plugin.py").read_text()
+    assert blocks[2] == (PACKAGE / "skyrl_clipped_reinforce" / "loss.py").read_text()
 
 
 def test_example_plugin_is_listed_and_selectable_from_config(installed_example_plugin, tmp_path):

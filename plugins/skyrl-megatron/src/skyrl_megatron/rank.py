@@ -56,6 +56,10 @@ def _acquire_parallel_state(
     device: torch.device, rank: int, world_size: int, tp: int, ep: int, init_method: str | None, seed: int
 ) -> None:
     global _parallel_users, _owns_process_group
+    if device.type == "cpu":
+        from skyrl_megatron.quiet_imports import silence_cpu_fallback_notes
+
+        silence_cpu_fallback_notes()
     from megatron.core import parallel_state
 
     if _parallel_users:
