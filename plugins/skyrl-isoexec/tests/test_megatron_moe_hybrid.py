@@ -115,6 +115,9 @@ def _grpo(tmp_path: Path, monkeypatch, preset_name: str) -> list[dict]:
         "engine": {"name": "vllm", "options": {"kv_cache_memory_bytes": 32 << 20, "max_model_len": 512}},
         "backend": {"name": "megatron"},
         "environment": {"name": "arithmetic"},
+        # A random tiny model earns no reward (zero advantages): the entropy bonus makes the optimizer
+        # steps change the weights, so step 2 samples from synced, updated weights.
+        "algorithm": {"entropy_coef": 0.01},
         "data": {"train": str(REPO / "examples" / "data" / "arithmetic" / "train.jsonl"), "prompts_per_step": 2},
         "generation": {"max_new_tokens": 6, "n_samples": 2},
         "trainer": {"steps": 2, "lr": 1e-2, "mini_batches": 1, "micro_batch_size": 4, "progress": False,

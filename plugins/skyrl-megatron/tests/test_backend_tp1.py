@@ -171,3 +171,22 @@ def test_moe_under_tensor_parallelism_on_cpu_is_refused_with_the_reason():
     layout = layout_from_hf_config(build_hf_config(dict(TINY_QWEN3_MOE)))
     with pytest.raises(ValueError, match="qwen3_moe with tensor_parallel=2 is not supported on CPU: .*sequence parallelism, which its torch"):
         build_gpt_model(layout, tensor_parallel=2, params_dtype=torch.float32, use_transformer_engine=False, on_cpu=True)
+
+
+def test_hybrid_and_moe_layers_are_op_sites(fresh_plugin_manager, sequences):
+    """Qwen3-Next on the op path: every GatedDeltaNet, MoE layer, norm and linear is claimed (none
+    left unpatched, which IsoExec would refuse), and the layers report their ops when they run."""
+    from megatron_test_models import TINY_QWEN3_NEXT
+
+    fresh_plugin_manager.register_plugin(_InstallShiftedLogprobs(), "install-shifted-logprobs")
+    with MegatronBackend(ModelConfig(config=dict(TINY_QWEN3_NEXT)), MegatronOptions()) as backend:
+        ledger = backend._local.ledger
+        backend.forward(make_batch(*sequences))
+    assert ledger.meta["unpatched"] == []
+    counts = ledger.meta["op_modules"]
+    assert (counts["gdn_core"], counts["gdn_conv"]) == (1, 1)
+    assert (counts["moe_router"], counts["moe_experts"], counts["moe_combine"]) == (2, 2, 2)
+    # input + pre-MLP norms of 2 layers, q/k norms, GatedDeltaNet's output norm, the final norm
+    assert counts["rms_norm"] == 8
+    ran = {(op, site) for op, site, _ in ledger.observed}
+    assert {("gdn_core", "trainer_score"), ("moe_router", "trainer_score"), ("rms_norm", "trainer_score")} <= ran

@@ -1,5 +1,6 @@
 """The training-backend contract suite on one in-process rank (tensor parallel 1, gloo, CPU), for a
-tied-embedding Qwen3, an untied Llama and a Qwen3-MoE (4 experts, top 2)."""
+tied-embedding Qwen3, an untied Llama, a Qwen3-MoE (4 experts, top 2) and the Qwen3-Next hybrid
+(a GatedDeltaNet layer and a gated-attention layer, experts with a gated shared expert)."""
 
 import pytest
 
@@ -8,7 +9,7 @@ from skyrl_core.testing.backend_contract import BackendContract
 from skyrl_megatron.backend import MegatronBackend
 from skyrl_megatron.options import MegatronOptions
 
-from megatron_test_models import TINY_LLAMA, TINY_QWEN3, TINY_QWEN3_MOE
+from megatron_test_models import TINY_LLAMA, TINY_QWEN3, TINY_QWEN3_MOE, TINY_QWEN3_NEXT
 
 
 @pytest.mark.parametrize("model_config", [TINY_QWEN3, TINY_LLAMA], ids=["qwen3-tied", "llama-untied"], indirect=True, scope="class")
@@ -34,6 +35,20 @@ class TestMegatronQwen3MoE(BackendContract):
     @classmethod
     def model_config(cls):
         return ModelConfig(config=dict(TINY_QWEN3_MOE))
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def backend_factory(cls):
+        return lambda model, trainer, seed: MegatronBackend(model, MegatronOptions(tensor_parallel=1), seed=seed, trainer=trainer)
+
+
+class TestMegatronQwen3Next(BackendContract):
+    micro_batch_update_rtol = 0.2  # experts, as for Qwen3-MoE above
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def model_config(cls):
+        return ModelConfig(config=dict(TINY_QWEN3_NEXT))
 
     @pytest.fixture(scope="class")
     @classmethod
