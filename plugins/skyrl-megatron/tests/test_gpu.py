@@ -31,6 +31,31 @@ class TestMegatronOnOneGPU(CudaBackendContract):
         return MegatronBackend(model, MegatronOptions(device="cuda"), seed=seed, trainer=trainer)
 
 
+class TestMegatronQwen3MoEOnOneGPU(TestMegatronOnOneGPU):
+    # Transformer Engine layers, the all-to-all token dispatcher, megatron's DDP over expert weights.
+    micro_batch_update_rtol = 0.2  # as on CPU: Adam's first step magnifies ~1e-9 expert gradients
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def model_config(cls):
+        from megatron_test_models import TINY_QWEN3_MOE
+
+        return ModelConfig(config=dict(TINY_QWEN3_MOE))
+
+
+class TestMegatronQwen3NextOnOneGPU(TestMegatronOnOneGPU):
+    # The hybrid's local-module spec on CUDA: megatron's GatedDeltaNet with flash-linear-attention.
+    micro_batch_update_rtol = 0.2
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def model_config(cls):
+        pytest.importorskip("fla", reason="megatron's GatedDeltaNet needs flash-linear-attention on GPU")
+        from megatron_test_models import TINY_QWEN3_NEXT
+
+        return ModelConfig(config=dict(TINY_QWEN3_NEXT))
+
+
 def test_bf16_trains_with_megatrons_optimizer():
     options = MegatronOptions(device="cuda", mixed_precision="bf16")
     check_bf16_trains_on_cuda(lambda model, trainer: MegatronBackend(model, options, trainer=trainer))
