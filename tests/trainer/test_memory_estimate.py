@@ -101,3 +101,34 @@ def test_a_failing_step_names_its_step_and_phase(tmp_path):
         with contextlib.ExitStack() as stack:
             stack.push(activity.on_exit)
             raise ConfigError([])
+
+
+@pytest.mark.slow
+def test_a_run_with_every_memory_option_trains_and_a_failing_step_says_where(tmp_path, fresh_plugin_manager, monkeypatch):
+    """One tiny step with one-row micro-batches (a 16-token budget), activation checkpointing,
+    64-position logits chunks and the engine asleep while training; then the same run failing in
+    forward_backward stops with the step and phase, the metrics of step 0 (eval) on disk."""
+    from skyrl_core.config.loader import load_config
+    from skyrl_core.trainer.metrics import read_metrics
+    from skyrl_fsdp.backend import FSDPBackend
+    from tests.e2e.tiny_run import write_tiny_config
+    from tests.rollout.envs import TestEnvironments
+
+    fresh_plugin_manager.register_plugin(TestEnvironments(), "test-envs")
+    options = dict(steps=1, micro_batch_tokens=16, activation_checkpointing=True, logprob_chunk_tokens=64,
+                   engine_sleep=True)
+    config = write_tiny_config(tmp_path, **options)
+    cfg = load_config(str(config), plugin_manager=fresh_plugin_manager)
+    result = train(cfg, plugin_manager=fresh_plugin_manager)
+    trained = [r for r in result.history if r["step"] == 1][0]
+    assert "loss" in trained and "grad_norm" in trained and "eval/accuracy" in trained  # eval ran after a wake
+
+    def out_of_memory(self, batch, loss_fn, temperature=1.0):
+        raise MemoryError("cannot allocate")
+
+    monkeypatch.setattr(FSDPBackend, "forward_backward", out_of_memory)
+    config = write_tiny_config(tmp_path / "failing", **options)
+    cfg = load_config(str(config), plugin_manager=fresh_plugin_manager)
+    with pytest.raises(StepFailedError, match=r"^step 1 failed while training .*MemoryError: cannot allocate"):
+        train(cfg, plugin_manager=fresh_plugin_manager)
+    assert [r["step"] for r in read_metrics(cfg.trainer.output_dir)] == [0]
