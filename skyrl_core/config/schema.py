@@ -36,20 +36,6 @@ def _one_of(*allowed: Any):
     return check
 
 
-def _one_of_built(built: tuple[Any, ...], planned: tuple[Any, ...]):
-    """Like ``_one_of``, but names the values that are planned and not built yet, so that a user who
-    asks for one is refused plainly instead of silently getting something else."""
-
-    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-        if value in planned:
-            raise ValueError(f"{value!r} is not built yet (planned); built now: {', '.join(map(str, built))}")
-        if value not in built:
-            raise ValueError("not one of the allowed values")
-
-    check.allowed = built  # type: ignore[attr-defined]
-    return check
-
-
 @attrs.frozen(kw_only=True)
 class Selection:
     """A pluggable component chosen by name, with that component's own options."""
@@ -232,6 +218,24 @@ class DataConfig:
 
 
 @attrs.frozen(kw_only=True)
+class FullyAsyncConfig:
+    """``trainer.mode: fully_async`` (docs/training.md)."""
+
+    max_inflight: int = attrs.field(
+        default=32, validator=_positive,
+        metadata=_help("trajectories being generated at once, at most (whole groups of generation.n_samples)"),
+    )
+    max_staleness: int = attrs.field(
+        default=1, validator=_non_negative,
+        metadata=_help("policy versions a trained sample's oldest token may lag the trained policy"),
+    )
+    on_stale: str = attrs.field(
+        default="drop", validator=_one_of("drop", "regenerate"),
+        metadata=_help("a group over max_staleness: drop it, or drop it and generate its prompt again (counted in async/dropped)"),
+    )
+
+
+@attrs.frozen(kw_only=True)
 class TrainerConfig:
     steps: int = attrs.field(default=10, validator=_positive, metadata=_help("training steps"))
     lr: float = attrs.field(default=1e-6, validator=_positive, metadata=_help("peak learning rate"))
@@ -274,9 +278,11 @@ class TrainerConfig:
                        "metrics, plot, checkpoints/); false: such a directory is refused unless resumed"),
     )
     mode: str = attrs.field(
-        default="sync", validator=_one_of_built(built=("sync",), planned=("one_step_off", "fully_async")),
-        metadata=_help("training mode"),
+        default="sync", validator=_one_of("sync", "one_step_off", "fully_async"),
+        metadata=_help("sync: generate, then train; one_step_off: generate step k+1 while step k trains; "
+                       "fully_async: generation never waits, weights updated in flight (docs/training.md)"),
     )
+    fully_async: FullyAsyncConfig = attrs.field(factory=FullyAsyncConfig, metadata=_help("trainer.mode=fully_async"))
     reuse_rollout_logprobs: bool = attrs.field(
         default=False, metadata=_help("use engine logprobs as old logprobs (only safe with a verified execution contract)")
     )
@@ -296,6 +302,10 @@ class RolloutConfig:
     max_response_tokens: int | None = attrs.field(
         default=None, validator=_positive,
         metadata=_help("cap on an episode's response tokens over all turns, model and environment (default: no cap)"),
+    )
+    env_workers: int = attrs.field(
+        default=1, validator=_positive,
+        metadata=_help("episodes whose environment steps (tool calls) run at once, in threads (1: one after another)"),
     )
 
 

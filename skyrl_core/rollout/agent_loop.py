@@ -10,6 +10,7 @@ tokens that are never trained. Nothing the model wrote is ever re-tokenised.
 from __future__ import annotations
 
 import hashlib
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 import attrs
@@ -75,7 +76,9 @@ class RolloutGenerator:
     """Runs episodes for dataset rows through an ``InferenceEngine`` and environments.
 
     ``max_response_tokens`` caps an episode's response (model and environment tokens over all
-    turns); ``None`` leaves only ``max_turns`` and the per-turn ``max_new_tokens``.
+    turns); ``None`` leaves only ``max_turns`` and the per-turn ``max_new_tokens``. ``env_workers``
+    > 1 runs that many episodes' environment steps of a turn at once, in threads (for environments
+    whose steps wait on slow tools; each episode has its own environment instance).
     """
 
     def __init__(
@@ -87,8 +90,10 @@ class RolloutGenerator:
         max_turns: int = 1,
         max_prompt_tokens: int = 512,
         max_response_tokens: int | None = None,
+        env_workers: int = 1,
     ) -> None:
         self.engine = engine
+        self.env_workers = env_workers  # episodes whose environment step runs at once (threads)
         self.codec = codec
         self.make_env = make_env
         self.max_turns = max_turns
@@ -157,12 +162,19 @@ class RolloutGenerator:
             outputs = self.engine.generate(requests)
             if len(outputs) != len(requests):
                 raise RolloutError(f"the engine answered {len(outputs)} of {len(requests)} requests")
+            turns: list[tuple[_Episode, GeneratedSample]] = []
             for episodes, samples in zip(owners, outputs):
                 if len(samples) != len(episodes):
                     raise RolloutError(f"the engine returned {len(samples)} samples for a request of n={len(episodes)}")
-                for ep, sample in zip(episodes, samples):
-                    self._advance(ep, sample, last_turn=turn == self.max_turns - 1)
-                    finished += ep.done
+                turns.extend(zip(episodes, samples))
+            last_turn = turn == self.max_turns - 1
+            if self.env_workers > 1 and len(turns) > 1:  # slow environment steps (tool calls) overlap
+                with ThreadPoolExecutor(max_workers=min(self.env_workers, len(turns))) as pool:
+                    list(pool.map(lambda pair: self._advance(*pair, last_turn=last_turn), turns))
+            else:
+                for ep, sample in turns:
+                    self._advance(ep, sample, last_turn=last_turn)
+            finished += sum(ep.done for ep, _ in turns)
             if on_turn is not None:
                 on_turn(turn, finished)
         return [ep.trajectory for episodes in groups for ep in episodes]

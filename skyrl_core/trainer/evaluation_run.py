@@ -77,7 +77,7 @@ def run_evaluation(cfg: Config, *, checkpoint: str | None = None, output: str | 
         generator = RolloutGenerator(
             engine, codec, EnvironmentFactory(pm, cfg.environment.name, cfg.environment.options),
             max_turns=cfg.rollout.max_turns, max_prompt_tokens=cfg.rollout.max_prompt_tokens,
-            max_response_tokens=cfg.rollout.max_response_tokens,
+            max_response_tokens=cfg.rollout.max_response_tokens, env_workers=cfg.rollout.env_workers,
         )
         started = time.perf_counter()
         metrics = evaluate(generator, rows, sampling, seed=request_seed(cfg.trainer.seed, "eval"))

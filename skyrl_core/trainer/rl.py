@@ -52,6 +52,7 @@ from skyrl_core.trainer.failure import RunActivity
 from skyrl_core.trainer.memory_estimate import check_step_memory
 from skyrl_core.trainer.loss import RLLoss
 from skyrl_core.trainer.metrics import METRICS_FILE, PLOT_FILE, MetricsLog, plot_metrics
+from skyrl_core.trainer.async_rl import check_mode, load_policy, make_rollout_source
 from skyrl_core.trainer.divergence import NonFiniteTrainingError, check_finite, check_weights_finite
 from skyrl_core.trainer.preflight import check_run_inputs, prepare_output_dir
 from skyrl_core.trainer.progress import Progress
@@ -113,7 +114,7 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
         generator = RolloutGenerator(
             engine, codec, EnvironmentFactory(pm, cfg.environment.name, cfg.environment.options),
             max_turns=cfg.rollout.max_turns, max_prompt_tokens=cfg.rollout.max_prompt_tokens,
-            max_response_tokens=cfg.rollout.max_response_tokens,
+            max_response_tokens=cfg.rollout.max_response_tokens, env_workers=cfg.rollout.env_workers,
         )
         gen = cfg.generation
         train_sampling = Sampling(n=gen.n_samples, max_new_tokens=gen.max_new_tokens, temperature=gen.temperature,
@@ -134,8 +135,15 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
         # The engine starts from the backend's weights (fresh or restored), after the handshake.
         # A plugin (IsoExec) may vouch that the engine's logprobs are the trainer's bits: see step 2.
         verdict = handshake(pm, backend, engine)
-        engine.update_weights(backend.export_weights())
-        generator.policy_version = start_step  # every token carries the version that sampled it
+        check_mode(cfg, getattr(engine, "supports_pause", False))
+        load_policy(engine, generator, backend.export_weights(), start_step)  # version = steps trained
+        # Where each step's rollouts come from: generated now (sync), during the previous step
+        # (one_step_off), or by workers that never wait for the trainer (fully_async): async_rl.py.
+        rollouts = closing.enter_context(contextlib.closing(make_rollout_source(
+            cfg, engine=engine, generator=generator, sampler=sampler, sampling=train_sampling,
+            collect_step=lambda step: _collect_rollouts(
+                step, cfg, sampler, lambda rows, seed, prefix: _generate(generator, progress, rows, train_sampling,
+                                                                         seed, prefix)))))
         skip_old_logprobs = tc.reuse_rollout_logprobs or verdict.reuse_rollout_logprobs
         # One optimizer step per rollout, nothing that needs old logprobs before training: see step 2.
         single_update = (tc.ppo_epochs == 1 and tc.mini_batches == 1 and kl_cfg.use_as != "reward"
@@ -166,9 +174,7 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
             activity.now(step, "generating rollouts")
             # 1. rollouts: n episodes per prompt, rewards from the environments (dynamic sampling may
             #    drop groups without signal, and roll out more prompts to refill the step)
-            trajectories, samples, sampling_metrics = _collect_rollouts(
-                step, cfg, sampler, lambda rows, seed, prefix: _generate(generator, progress, rows, train_sampling,
-                                                                         seed, prefix))
+            trajectories, samples, sampling_metrics = rollouts.collect(step)
             timings["time/rollout"] = time.perf_counter() - started
             metrics: dict[str, Any] = {"step": step, **_rollout_metrics(trajectories), **sampling_metrics}
 
@@ -244,8 +250,7 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
                 # 5. contract handshake, then weight sync to the engine
                 t = time.perf_counter()
                 handshake(pm, backend, engine)
-                engine.update_weights(backend.export_weights())
-                generator.policy_version = step
+                rollouts.sync_weights(step, backend.export_weights)
                 timings["time/weight_sync"] = time.perf_counter() - t
             else:
                 metrics["skipped"] = 1.0  # every group had equal rewards: nothing to learn from
@@ -268,7 +273,7 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
             activity.now(step, "saving a checkpoint")
             # 7. checkpoint every k steps and at the end
             if (tc.checkpoint_every and step % tc.checkpoint_every == 0) or step == tc.steps:
-                state = {"sampler": sampler.state(), "kl_coef": kl_ctl.value, "history": log.history}
+                state = {"sampler": rollouts.sampler_state(), "kl_coef": kl_ctl.value, "history": log.history}
                 check_weights_finite(step, backend.export_weights())
                 path = ckpt.save_checkpoint(run_dir, step, backend, state)
                 pm.hook.skyrl_on_checkpoint(step=step, path=path)

@@ -1,31 +1,43 @@
-"""``trainer.mode``: an accepted value must run what it names; a mode not built yet is refused
-with its key path and the values built now."""
+"""``trainer.mode``: every accepted value runs what it names (tests/e2e/test_execution_modes.py);
+combinations a mode cannot do are refused before any rollout, naming the keys."""
 
 from __future__ import annotations
 
 import pytest
 
 from skyrl_core.config.loader import ConfigError, structure_config
+from skyrl_core.trainer.async_rl import check_mode
 
 TINY = {"model": {"config": {"model_type": "llama"}}}
 
 
-def _load(mode: str):
-    return structure_config({**TINY, "trainer": {"mode": mode}})
+def _load(mode: str, **extra):
+    return structure_config({**TINY, "trainer": {"mode": mode}, **extra})
 
 
-def test_sync_is_accepted():
-    assert _load("sync").trainer.mode == "sync"
+@pytest.mark.parametrize("mode", ["sync", "one_step_off", "fully_async"])
+def test_each_mode_is_accepted(mode):
+    assert _load(mode).trainer.mode == mode
+
+
+def test_unknown_mode_and_bad_async_options_are_refused():
+    with pytest.raises(ConfigError, match="trainer.mode"):
+        _load("async")
+    with pytest.raises(ConfigError, match="trainer.fully_async.on_stale"):
+        structure_config({**TINY, "trainer": {"mode": "fully_async", "fully_async": {"on_stale": "keep"}}})
+    with pytest.raises(ConfigError, match="trainer.fully_async.max_inflight"):
+        structure_config({**TINY, "trainer": {"fully_async": {"max_inflight": 0}}})
+
+
+def test_fully_async_needs_an_engine_that_pauses():
+    check_mode(_load("fully_async"), engine_supports_pause=True)
+    with pytest.raises(ValueError, match="trainer.mode='fully_async' needs an engine that pauses"):
+        check_mode(_load("fully_async", engine={"name": "vllm"}), engine_supports_pause=False)
+    check_mode(_load("one_step_off"), engine_supports_pause=False)  # no pause needed
 
 
 @pytest.mark.parametrize("mode", ["one_step_off", "fully_async"])
-def test_unbuilt_mode_is_refused_plainly(mode):
-    with pytest.raises(ConfigError) as err:
-        _load(mode)
-    text = str(err.value)
-    assert "trainer.mode" in text and f"'{mode}' is not built yet" in text and "allowed: sync" in text
-
-
-def test_unknown_mode_is_refused():
-    with pytest.raises(ConfigError, match="trainer.mode"):
-        _load("async")
+def test_dynamic_sampling_is_refused_outside_sync(mode):
+    cfg = _load(mode, algorithm={"dynamic_sampling": {"mode": "drop"}})
+    with pytest.raises(ValueError, match="dynamic_sampling"):
+        check_mode(cfg, engine_supports_pause=True)
