@@ -60,10 +60,12 @@ def sampling_requests(prompts: list[tuple[int, ...]], seed: int, max_new: int) -
 
 
 def time_alternately(
-    engines: dict[str, Any], prompts: list[tuple[int, ...]], *, repeats: int, max_new_tokens: int, name_width: int
+    engines: dict[str, Any], prompts: list[tuple[int, ...]], *, repeats: int, max_new_tokens: int, name_width: int,
+    tokens_out: dict[str, list[int]] | None = None,
 ) -> dict[str, float]:
     """Warm every engine up, then run them alternately ``repeats`` times, printing each run; the
-    median generated tokens/s (EOS included) of each engine."""
+    median generated tokens/s (EOS included) of each engine. ``tokens_out`` collects each run's
+    generated tokens per engine (for the roofline's FLOPs)."""
     for engine in engines.values():  # warm-up
         engine.generate(sampling_requests(prompts, seed=999, max_new=4))
     rates: dict[str, list[float]] = {name: [] for name in engines}
@@ -74,5 +76,7 @@ def time_alternately(
             elapsed = time.perf_counter() - start
             tokens = sum(len(s.token_ids) for group in out for s in group)
             rates[name].append(tokens / elapsed)
+            if tokens_out is not None:
+                tokens_out.setdefault(name, []).append(tokens)
             print(f"repeat {rep}: {name:{name_width}s} {tokens:5d} tokens in {elapsed:7.2f} s = {tokens / elapsed:8.1f} tok/s")
     return {name: statistics.median(r) for name, r in rates.items()}

@@ -9,14 +9,20 @@ each after one warm-up, so that a busy machine slows both alike.
 vLLM runs in its default multiprocess mode (engine core + worker processes); its worker is bound
 to ``--threads`` cores with ``VLLM_CPU_OMP_THREADS_BIND`` (vLLM's "auto" would keep one of two
 cores for its scheduler). Tokens/s counts generated tokens (EOS included). The last line is the
-ratio of the median tokens/s (skyrl-torch / vLLM).
+ratio of the median tokens/s (skyrl-torch / vLLM). Beside them: the CPU, the GEMM libraries, and
+this machine's floor for the work (``benchmarks/_roofline.py``: the linear layers' products of the
+prefill and of every decode step, at the fastest rate measured at each shape in this run) with the
+fraction of that peak each engine reached.
 
     python benchmarks/engine_torch_vs_vllm.py [--repeats 3] [--threads 2] [--batch 64]
 """
 
 from __future__ import annotations
 
+import statistics
+
 from _common import arithmetic_prompts, bind_vllm_threads, rollout_parser, time_alternately
+from _roofline import generation_gemms, machine, model_config_dict, rollout_roofline, total_flops
 
 
 def main() -> None:
@@ -46,9 +52,11 @@ def main() -> None:
             seed=0,
         ),
     }
+    tokens: dict[str, list[int]] = {}
     try:
         medians = time_alternately(
-            engines, prompts, repeats=args.repeats, max_new_tokens=args.max_new_tokens, name_width=12
+            engines, prompts, repeats=args.repeats, max_new_tokens=args.max_new_tokens, name_width=12,
+            tokens_out=tokens,
         )
     finally:
         for engine in engines.values():
@@ -60,6 +68,15 @@ def main() -> None:
     )
     for name, rate in medians.items():
         print(f"  {name:12s} {rate:8.1f} tok/s")
+    print(machine())
+    config = model_config_dict(model_config)
+    generated = {name: round(statistics.median(counts)) for name, counts in tokens.items()}
+    roofline = rollout_roofline(config, map(len, prompts), round(statistics.mean(generated.values())),
+                                args.max_new_tokens, threads=args.threads)
+    print(roofline.summary())
+    for name, rate in medians.items():
+        own = total_flops(generation_gemms(config, sum(map(len, prompts)), generated[name], len(prompts), args.max_new_tokens))
+        print(roofline.achieved(f"  {name:12s} a run of {generated[name]} tokens", generated[name] / rate, "float32", flops=own))
     print(f"ratio skyrl-torch / vllm-cpu tokens/s: {medians['skyrl-torch'] / medians['vllm-cpu']:.2f}")
 
 

@@ -8,6 +8,9 @@ alternately, ``--repeats`` times each after one warm-up, so that a busy machine 
 Tokens/s counts generated tokens up to and including EOS (never padding). The last line is the
 ratio of the median tokens/s (skyrl-torch / HF generate). The CPU seconds each run consumed are
 printed too: on a machine shared with other work, wall time swings with their load, CPU time less.
+Beside them: the CPU, the GEMM libraries, and this machine's floor for the work
+(``benchmarks/_roofline.py``: the linear layers' products of the prefill and of every decode step,
+at the fastest rate measured at each shape in this run) with the fraction of that peak each reached.
 
     python benchmarks/engine_vs_hf_generate.py [--repeats 3] [--threads 2] [--batch 64]
 """
@@ -18,6 +21,8 @@ import argparse
 import random
 import statistics
 import time
+
+from _roofline import generation_gemms, machine, model_config_dict, rollout_roofline, total_flops
 
 
 def main() -> None:
@@ -85,12 +90,14 @@ def main() -> None:
     run_skyrl(0, 2)
     rates: dict[str, list[float]] = {"hf_generate": [], "skyrl_torch": []}
     cpu_rates: dict[str, list[float]] = {"hf_generate": [], "skyrl_torch": []}
+    counts: dict[str, list[int]] = {"hf_generate": [], "skyrl_torch": []}
     for rep in range(args.repeats):
         for name, fn in (("hf_generate", run_hf), ("skyrl_torch", run_skyrl)):
             start, cpu_start = time.perf_counter(), time.process_time()
             tokens = fn(rep + 1, args.max_new_tokens)
             seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
             rates[name].append(tokens / seconds)
+            counts[name].append(tokens)
             cpu_rates[name].append(tokens / cpu_seconds)
             print(
                 f"repeat {rep}  {name:12s} {tokens:5d} tokens in {seconds:7.2f} s (CPU {cpu_seconds:7.2f} s) "
@@ -101,6 +108,15 @@ def main() -> None:
     hf_cpu, skyrl_cpu = statistics.median(cpu_rates["hf_generate"]), statistics.median(cpu_rates["skyrl_torch"])
     print(f"median tokens per CPU second: hf_generate {hf_cpu:.1f}, skyrl_torch {skyrl_cpu:.1f} ({skyrl_cpu / hf_cpu:.2f}x)", flush=True)
     print(f"median tokens/s: hf_generate {hf:.1f}, skyrl_torch {skyrl:.1f}", flush=True)
+    print(machine())
+    config, prompt_tokens = model_config_dict(model_config), [len(p) for p in prompt_ids]
+    generated = {name: round(statistics.median(c)) for name, c in counts.items()}
+    roofline = rollout_roofline(config, prompt_tokens, round(statistics.mean(generated.values())), args.max_new_tokens,
+                                threads=args.threads)
+    print(roofline.summary())
+    for name, rate in (("hf_generate", hf), ("skyrl_torch", skyrl)):
+        own = total_flops(generation_gemms(config, sum(prompt_tokens), generated[name], len(prompt_tokens), args.max_new_tokens))
+        print(roofline.achieved(f"  {name:12s} a run of {generated[name]} tokens", generated[name] / rate, "float32", flops=own))
     print(f"skyrl-torch / HF generate rollout tokens/s ratio: {skyrl / hf:.2f}x", flush=True)
 
 

@@ -13,6 +13,9 @@ runtimes). The skyrl-torch engine samples
 
 On and off alternate ``--repeats`` times after one warm-up each, so that a busy machine slows both
 alike; medians are compared. Targets (issue 6): on/off <= 1.10x, and (on with skip)/(off) <= 1.0x.
+Beside the times: the CPU, the GEMM libraries, and this machine's floor for each piece of work
+(``benchmarks/_roofline.py``: the linear layers' products at the fastest rate measured at each
+shape in this run, in ``--dtype``) with the fraction of that peak each reached.
 
     python benchmarks/isoexec_on_off.py [--preset qwen3 | --smollm2] [--repeats 3] [--threads 2] [--batch 16]
 """
@@ -23,6 +26,8 @@ import argparse
 import random
 import statistics
 import time
+
+from _roofline import Roofline, decoder_gemms, generation_gemms, machine
 
 
 BENCH_MODEL = {
@@ -148,6 +153,19 @@ def main() -> None:
           f"(ratio on/off {med['step on'] / med['step off']:.2f}x)")
     print(f"median trainer step, old-logprob pass skipped: on {med['step on, skip']:.2f} s  "
           f"(net ratio vs off {med['step on, skip'] / med['step off']:.2f}x)")
+    config = runtimes["off"][0].model.config
+    prompt_tokens, response_tokens = sum(map(len, prompts)), args.batch * args.max_new_tokens
+    sampling = generation_gemms(config, prompt_tokens, response_tokens, args.batch, args.max_new_tokens)
+    training = decoder_gemms(config, prompt_tokens + response_tokens, response_tokens, backward=True)
+    scoring = decoder_gemms(config, prompt_tokens + response_tokens, response_tokens)
+    roofline = Roofline(sampling + training + scoring, threads=args.threads).measure()
+    print(machine())
+    print(roofline.summary())
+    for label in ("gen off", "gen off, modules", "gen on"):
+        print(roofline.part(sampling).achieved(f"  engine {label[4:]:13s}", response_tokens / med[label], args.dtype))
+    for label in ("step off", "step on"):
+        print(roofline.part(training + scoring).achieved(f"  trainer {label[5:]:12s}", med[label], args.dtype))
+    print(roofline.part(training).achieved("  trainer on, skip   ", med["step on, skip"], args.dtype))
     modules_engine.close()
     for engine, trainer in runtimes.values():
         engine.close()

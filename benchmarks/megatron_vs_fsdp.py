@@ -9,6 +9,10 @@ Megatron tensor parallel 2 beside FSDP world size 2), alternately, ``--repeats``
 one warm-up step, so that a busy machine slows both alike.
 
 The last line is the ratio of median step times (Megatron / FSDP); below 1 means Megatron is faster.
+Beside them: the CPU, the GEMM libraries, and this machine's floor for one step
+(``benchmarks/_roofline.py``: the linear layers' products of the forward and of the forward and
+backward, logits on the response positions, at the fastest fp32 rate measured at each shape in
+this run on the threads the step uses) with the fraction of that peak each backend reached.
 
     python benchmarks/megatron_vs_fsdp.py [--repeats 3] [--processes 1] [--threads 1]
 """
@@ -18,6 +22,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+
+from _roofline import Roofline, decoder_gemms, machine
 
 MODEL = {
     "model_type": "qwen3",
@@ -91,6 +97,14 @@ def main() -> None:
     for name, values in times.items():
         where = layout if name == "megatron" else f"world size {args.processes}"
         print(f"{name:9s} ({where}): median {statistics.median(values):.3f} s/step  [{', '.join(f'{v:.3f}' for v in values)}]")
+    tokens, responses = sum(prompt_lengths) + sum(response_lengths), sum(response_lengths)
+    gemms = decoder_gemms(MODEL, tokens, responses) + decoder_gemms(MODEL, tokens, responses, backward=True)
+    threads = args.threads if args.processes == 1 else (os.cpu_count() or args.processes)
+    roofline = Roofline(gemms, threads=threads).measure()
+    print(machine())
+    print(roofline.summary())
+    for name, values in times.items():
+        print(roofline.achieved(f"  {name:9s} median step", statistics.median(values), "float32"))
     ratio = statistics.median(times["megatron"]) / statistics.median(times["fsdp"])
     print(f"step time ratio megatron/fsdp: {ratio:.2f}")
 

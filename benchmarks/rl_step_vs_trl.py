@@ -17,9 +17,23 @@ Before that, rollout throughput at batch 64 (64 different prompts, 32 new tokens
 engine vs HF ``generate``, each in its own process, ``--gen-repeats`` runs after a warm-up,
 alternating ``--rounds`` times.
 
-The last line prints both median step times and the ratio skyrl / TRL.
+Each framework runs in fp32 and in bf16 (``--dtypes``): skyrl with ``model.dtype: bfloat16`` (bf16
+engine, bf16 forward/backward over fp32 master weights and optimizer, fp32 logprobs and loss); TRL
+with ``bf16=True`` (HF Trainer's CPU autocast over its fp32 model), its fastest CPU setting being
+whichever of the two is faster here.
 
-    python benchmarks/rl_step_vs_trl.py [--rounds 2] [--steps 3] [--threads 2]
+Beside the times: this machine's limit for the same work (``benchmarks/_roofline.py``, measured in
+this run before the blocks and after them, best kept): the GEMM FLOPs of one step (sampling 64
+responses, then forward and backward over the 64 sequences; response lengths as skyrl's runs
+sampled them), the fastest measured rate of each product's shape in fp32 and bf16, hence each
+dtype's floor, and the fraction of that peak each side reached. The CPU and the GEMM libraries are
+printed with the result.
+
+The last lines: median step times, the fp32 ratio skyrl / TRL, the bf16 ratio (skyrl bf16 / TRL in
+its fastest setting), and the targets: skyrl's fp32 step <= 1.2x the fp32 floor, skyrl's bf16 step
+<= 1/4 of TRL's fp32 step.
+
+    python benchmarks/rl_step_vs_trl.py [--rounds 2] [--steps 3] [--threads 2] [--dtypes float32,bfloat16]
 """
 
 from __future__ import annotations
@@ -37,6 +51,8 @@ import sys
 import tempfile
 import time
 from typing import Any
+
+from _roofline import Roofline, decoder_gemms, generation_gemms, machine, uptime
 
 PROMPTS_PER_STEP = 8
 SAMPLES_PER_PROMPT = 8
@@ -107,15 +123,15 @@ def generation_rates(side: str, model_dir: str, repeats: int) -> list[float]:
 # --- one block of RL steps per framework ------------------------------------------------------
 
 
-def skyrl_block(model_dir: str, data_path: str, steps: int, out_dir: str, seed: int) -> list[float]:
-    """Step times (s) of a fresh ``steps``-step skyrl run."""
+def skyrl_block(model_dir: str, data_path: str, steps: int, out_dir: str, seed: int, dtype: str) -> dict[str, Any]:
+    """Step times (s) of a fresh ``steps``-step skyrl run in ``dtype``, and its response lengths."""
     from skyrl_core.config.loader import structure_config
     from skyrl_core.trainer.rl import train
 
     cfg = structure_config({
-        "model": {"path": model_dir},
+        "model": {"path": model_dir, "dtype": dtype},  # the engine's and the trainer's compute dtype
         "engine": "torch",
-        "backend": {"name": "fsdp", "options": {"mixed_precision": "fp32"}},
+        "backend": "fsdp",
         "environment": "arithmetic",
         "algorithm": {"policy_loss": "ppo", "advantage": "grpo", "loss_reduction": "token_mean"},
         "data": {"train": data_path, "prompts_per_step": PROMPTS_PER_STEP},
@@ -124,11 +140,17 @@ def skyrl_block(model_dir: str, data_path: str, steps: int, out_dir: str, seed: 
                     "output_dir": out_dir, "plot": False, "progress": False},
     })
     result = train(cfg)
-    return [r["time/step"] for r in result.history if "time/step" in r]
+    steps_run = [r for r in result.history if "time/step" in r]
+    return {
+        "times": [r["time/step"] for r in steps_run],
+        "response_mean": [r["response_length/mean"] for r in steps_run],
+        "response_max": [r["response_length/max"] for r in steps_run],
+    }
 
 
-def trl_block(model_dir: str, rows: list[dict[str, Any]], steps: int, out_dir: str, seed: int) -> list[float]:
-    """Step times (s) of a fresh ``steps``-step TRL ``GRPOTrainer`` run."""
+def trl_block(model_dir: str, rows: list[dict[str, Any]], steps: int, out_dir: str, seed: int, dtype: str) -> list[float]:
+    """Step times (s) of a fresh ``steps``-step TRL ``GRPOTrainer`` run (``bfloat16``: ``bf16=True``,
+    HF Trainer's CPU autocast over the fp32 model)."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -155,7 +177,7 @@ def trl_block(model_dir: str, rows: list[dict[str, Any]], steps: int, out_dir: s
         output_dir=out_dir, max_steps=steps, learning_rate=LEARNING_RATE, seed=seed,
         per_device_train_batch_size=PROMPTS_PER_STEP * SAMPLES_PER_PROMPT, num_generations=SAMPLES_PER_PROMPT,
         gradient_accumulation_steps=1, num_iterations=1, beta=0.0, temperature=1.0,
-        max_completion_length=MAX_NEW_TOKENS, use_vllm=False, use_cpu=True, bf16=False,
+        max_completion_length=MAX_NEW_TOKENS, use_vllm=False, use_cpu=True, bf16=dtype == "bfloat16",
         logging_strategy="no", report_to="none", save_strategy="no", dataloader_num_workers=0, disable_tqdm=True,
     )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -192,15 +214,15 @@ def worker(kind: str, args: argparse.Namespace) -> Any:
         from skyrl_core.data import load_dataset
 
         rows = load_dataset(args.data, default_env_class="arithmetic")
-        return trl_block(args.model_dir, rows, args.steps, args.out, seed=args.seed)
-    return skyrl_block(args.model_dir, args.data, args.steps, args.out, seed=args.seed)
+        return trl_block(args.model_dir, rows, args.steps, args.out, seed=args.seed, dtype=args.dtype)
+    return skyrl_block(args.model_dir, args.data, args.steps, args.out, seed=args.seed, dtype=args.dtype)
 
 
 def run_worker(kind: str, args: argparse.Namespace, **extra: Any) -> Any:
     """``worker(kind)`` in a child process: each framework runs as its users run it, in a process of
     its own (skyrl tunes its process's allocator, TRL does not; nothing leaks between them)."""
     command = [sys.executable, __file__, "--worker", kind, "--threads", str(args.threads), "--steps", str(args.steps),
-               "--gen-repeats", str(args.gen_repeats), "--model-dir", args.model_dir]
+               "--gen-repeats", str(args.gen_repeats), "--model-dir", args.model_dir, "--dtypes", "float32"]
     for key, value in extra.items():
         command += [f"--{key.replace('_', '-')}", str(value)]
     done = subprocess.run(command, stdout=subprocess.PIPE, text=True)
@@ -215,6 +237,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="steps per block (the first is warm-up)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--gen-repeats", type=int, default=2)
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
+    parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     parser.add_argument("--worker", choices=("gen-skyrl", "gen-hf", "trl", "skyrl"), help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
@@ -223,6 +247,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.steps < 2:
         parser.error("--steps must be >= 2 (the first step of each block is warm-up)")
+    args.dtypes = args.dtypes.split(",")
+    if "float32" not in args.dtypes or not set(args.dtypes) <= {"float32", "bfloat16"}:
+        parser.error(f"--dtypes must list float32 and optionally bfloat16; got {','.join(args.dtypes)}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.worker:
@@ -240,42 +267,97 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def _prompt_tokens(model_dir: str, rows: list[dict[str, Any]]) -> float:
+    """Mean chat-templated prompt length in tokens (what both frameworks feed the model)."""
+    from skyrl_core.config.schema import ModelConfig
+    from skyrl_core.models import load_tokenizer
+    from skyrl_core.rollout import ChatCodec
+
+    codec = ChatCodec(load_tokenizer(ModelConfig(path=model_dir)))
+    return statistics.mean(len(codec.render_prompt(row["prompt"])) for row in rows)
+
+
+def step_gemms(model_dir: str, prompt_mean: float, response_mean: float, response_max: float) -> list:
+    """The linear layers' products of one step: sampling 64 responses (prefill, then one decode step
+    per token of the longest response), then forward and backward over the 64 sequences (logits on
+    the response positions)."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    rows = PROMPTS_PER_STEP * SAMPLES_PER_PROMPT
+    prompt, response = round(rows * prompt_mean), round(rows * response_mean)
+    return (generation_gemms(config, prompt, response, rows, max(1, round(response_max)))
+            + decoder_gemms(config, prompt + response, response, backward=True))
+
+
 def _compare(args: argparse.Namespace, work: str) -> None:
     from skyrl_core.data import write_jsonl
 
     rows = problems(PROMPTS_PER_STEP * args.steps * args.rounds * 2, seed=0)
     data_path = str(write_jsonl(rows, os.path.join(work, "train.jsonl")))
-    print(f"SmolLM2-135M-Instruct fp32, {PROMPTS_PER_STEP} prompts x {SAMPLES_PER_PROMPT} samples, "
-          f"{MAX_NEW_TOKENS} new tokens, {args.threads} threads; each block in a fresh process", flush=True)
+    print(machine(), flush=True)
+    print(f"SmolLM2-135M-Instruct, {PROMPTS_PER_STEP} prompts x {SAMPLES_PER_PROMPT} samples, "
+          f"{MAX_NEW_TOKENS} new tokens, {args.threads} threads, dtypes {', '.join(args.dtypes)}; "
+          f"each block in a fresh process", flush=True)
 
     rates: dict[str, list[float]] = {"skyrl": [], "hf": []}
     for _ in range(args.rounds):
         for side in ("skyrl", "hf"):
             rates[side] += run_worker(f"gen-{side}", args)
     engine_rate, hf_rate = statistics.median(rates["skyrl"]), statistics.median(rates["hf"])
-    print(f"rollout tokens/s at batch 64: skyrl-torch {engine_rate:.0f}, HF generate {hf_rate:.0f}, "
+    print(f"rollout tokens/s at batch 64 (fp32): skyrl-torch {engine_rate:.0f}, HF generate {hf_rate:.0f}, "
           f"ratio {engine_rate / hf_rate:.1f}x (target >= 15x)", flush=True)
 
-    problem = trl_problem()
-    skyrl_times: list[float] = []
-    trl_times: list[float] = []
-    for round_index in range(args.rounds):
-        if problem is None:
-            times = run_worker("trl", args, data=data_path, out=os.path.join(work, f"trl{round_index}"), seed=round_index)
-            trl_times += times[1:]
-            print(f"round {round_index}: TRL step times {[round(t, 1) for t in times]} s", flush=True)
-        times = run_worker("skyrl", args, data=data_path, out=os.path.join(work, f"skyrl{round_index}"), seed=round_index)
-        skyrl_times += times[1:]
-        print(f"round {round_index}: skyrl step times {[round(t, 1) for t in times]} s", flush=True)
+    # The roofline's shapes need the sampled lengths: a first estimate now (prompts measured,
+    # responses at the budget's half), the work's own shapes after the blocks.
+    prompt_mean = _prompt_tokens(args.model_dir, rows)
+    estimate = Roofline(step_gemms(args.model_dir, prompt_mean, MAX_NEW_TOKENS / 2, MAX_NEW_TOKENS), threads=args.threads)
+    estimate.measure()
+    print(f"before the blocks: {estimate.summary()}", flush=True)
 
-    skyrl_median = statistics.median(skyrl_times)
+    problem = trl_problem()
+    times: dict[tuple[str, str], list[float]] = {}
+    responses: dict[str, list[float]] = {"mean": [], "max": []}
+    for round_index in range(args.rounds):
+        for dtype in args.dtypes:
+            if problem is None:
+                block = run_worker("trl", args, data=data_path, out=os.path.join(work, f"trl{round_index}{dtype}"),
+                                   seed=round_index, dtype=dtype)
+                times.setdefault(("TRL", dtype), []).extend(block[1:])
+                print(f"round {round_index}: TRL {dtype} step times {[round(t, 1) for t in block]} s", flush=True)
+            block = run_worker("skyrl", args, data=data_path, out=os.path.join(work, f"skyrl{round_index}{dtype}"),
+                               seed=round_index, dtype=dtype)
+            times.setdefault(("skyrl", dtype), []).extend(block["times"][1:])
+            responses["mean"] += block["response_mean"][1:]
+            responses["max"] += block["response_max"][1:]
+            print(f"round {round_index}: skyrl {dtype} step times {[round(t, 1) for t in block['times']]} s "
+                  f"(mean response {statistics.mean(block['response_mean']):.1f} tokens)", flush=True)
+
+    roofline = Roofline(step_gemms(args.model_dir, prompt_mean, statistics.mean(responses["mean"]),
+                                   statistics.mean(responses["max"])), threads=args.threads)
+    roofline.rates.update(estimate.rates)  # the shapes they share keep the best of both measurements
+    roofline.measure()
+    print(f"load after the blocks: {uptime()}")
+    print(f"prompts {prompt_mean:.1f} tokens, responses {statistics.mean(responses['mean']):.1f} tokens on average "
+          f"(skyrl's samples; TRL samples the same model); {roofline.summary()}")
+    medians = {key: statistics.median(values) for key, values in times.items()}
+    for (side, dtype), seconds in sorted(medians.items()):
+        print(roofline.achieved(f"{side:5s} {dtype:8s} median step", seconds, dtype))
+
+    skyrl32 = medians[("skyrl", "float32")]
+    floor32 = roofline.floor("float32")
+    print(f"skyrl fp32 step / fp32 floor: {skyrl32 / floor32:.2f}x (target <= 1.2x)")
     if problem is not None:
         print(f"TRL not measured: {problem}")
-        print(f"median step time: skyrl {skyrl_median:.2f} s, TRL not measured ({problem.split(':')[0]}); ratio n/a")
+        print(f"median step time: skyrl {skyrl32:.2f} s, TRL not measured ({problem.split(':')[0]}); ratio n/a")
         return
-    trl_median = statistics.median(trl_times)
-    print(f"median step time: skyrl {skyrl_median:.2f} s, TRL {trl_median:.2f} s; "
-          f"ratio skyrl/TRL {skyrl_median / trl_median:.3f} (target <= 0.333)")
+    trl32 = medians[("TRL", "float32")]
+    print(f"fp32 ratio skyrl/TRL: {skyrl32 / trl32:.3f} (skyrl {skyrl32:.2f} s, TRL {trl32:.2f} s)")
+    if "bfloat16" in args.dtypes:
+        skyrl16 = medians[("skyrl", "bfloat16")]
+        trl_best = min(("float32", "bfloat16"), key=lambda d: medians[("TRL", d)])
+        print(f"bf16 ratio skyrl bf16 / TRL fastest ({trl_best}): {skyrl16 / medians[('TRL', trl_best)]:.3f} "
+              f"(skyrl {skyrl16:.2f} s, TRL {medians[('TRL', trl_best)]:.2f} s)")
+        print(f"skyrl bf16 / TRL fp32: {skyrl16 / trl32:.3f} (target <= 0.25)")
 
 
 if __name__ == "__main__":

@@ -97,6 +97,8 @@ def load_tokenizer(model: ModelConfig) -> Any:
 
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Where the demo model is made on first use (registered as a model source by the core's built-in plugin).
+SMOLLM2_DIR = os.path.join("~", ".cache", "skyrl", "models", "SmolLM2-135M-Instruct")
 _COMPLETE_MARKER = ".skyrl-complete"
 
 
@@ -113,7 +115,7 @@ def prepare_smollm2(dest_dir: str | None = None) -> str:
     import shutil
     import tempfile
 
-    dest = os.path.abspath(os.path.expanduser(dest_dir or "~/.cache/skyrl/models/SmolLM2-135M-Instruct"))
+    dest = os.path.abspath(os.path.expanduser(dest_dir or SMOLLM2_DIR))
     if os.path.isfile(os.path.join(dest, _COMPLETE_MARKER)):
         return dest
     # find_spec locates the package without importing it (its __init__ needs llm and llama-cpp).

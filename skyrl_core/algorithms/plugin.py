@@ -41,7 +41,7 @@ ADVANTAGE_ESTIMATORS: tuple[tuple[str, str, str, str], ...] = (
 
 
 @hookimpl
-def skyrl_register_losses(register: Callable[[PolicyLossSpec | AdvantageEstimatorSpec], None]) -> None:
+def skyrl_register_algorithms(register: Callable[[PolicyLossSpec | AdvantageEstimatorSpec], None]) -> None:
     for name, factory, options, description in POLICY_LOSSES:
         register(PolicyLossSpec(name=name, factory=f"{_LOSSES}:{factory}", options=f"{_OPTIONS}:{options}",
                                 description=description))

@@ -228,10 +228,9 @@ def check_run_inputs_or_exit(cfg: Any, path: str) -> None:
     directory, selected components); exit 2 with every problem."""
     from skyrl_core.config.errors import ConfigError
     from skyrl_core.trainer.preflight import check_run_inputs
-    from skyrl_core.trainer.runtime import SMOLLM2_DIR
 
     try:
-        check_run_inputs(cfg, smollm2_dir=SMOLLM2_DIR)
+        check_run_inputs(cfg)
     except ConfigError as exc:
         exc.source = path
         click.echo(exc.render(), err=True)

@@ -54,7 +54,12 @@ class ModelConfig:
     )
     tokenizer: str | None = attrs.field(default=None, metadata=_help("tokenizer directory (default: path)", path="input"))
     dtype: str = attrs.field(
-        default="float32", validator=_one_of("float32", "bfloat16"), metadata=_help("parameter dtype")
+        default="float32",
+        validator=_one_of("float32", "bfloat16"),
+        metadata=_help(
+            "compute dtype of the engine and the trainer: bfloat16 samples and trains in bf16 over fp32 master "
+            "weights and optimizer state, logprobs and loss in fp32 (docs/training.md, bf16)"
+        ),
     )
 
     def __attrs_post_init__(self) -> None:

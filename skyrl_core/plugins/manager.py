@@ -41,11 +41,12 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
 REGISTRATION_HOOKS: dict[str, str] = {
     "skyrl_register_training_backends": "training_backend",
     "skyrl_register_inference_engines": "inference_engine",
-    "skyrl_register_losses": "policy_loss",  # also advantage estimators: the record says which
+    "skyrl_register_algorithms": "policy_loss",  # also advantage estimators: the record says which
     "skyrl_register_environments": "environment",
     "skyrl_register_ops": "op_impl",
     "skyrl_register_config_sections": "config_section",
     "skyrl_register_loggers": "logger",
+    "skyrl_register_model_sources": "model_source",
 }
 
 

@@ -147,6 +147,28 @@ class LoggerSpec(ComponentSpec):
     kind_title: ClassVar[str] = "logger"
 
 
+@attrs.frozen(kw_only=True)
+class ModelSourceSpec(ComponentSpec):
+    """A model a plugin can make on first use: when ``model.path`` names ``directory`` and it does not
+    exist yet, ``factory(directory) -> str`` creates it there (a converted or shipped model).
+    ``requires`` are the distributions the factory needs (checked before a run, from metadata)."""
+
+    kind: ClassVar[str] = "model_source"
+    kind_title: ClassVar[str] = "model source"
+
+    directory: str
+    requires: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+
+    def matches(self, path: str) -> bool:
+        return _full_path(path) == _full_path(self.directory)
+
+
+def _full_path(path: str) -> str:
+    import os
+
+    return os.path.abspath(os.path.expanduser(path))
+
+
 RECORD_TYPES: tuple[type[ComponentSpec], ...] = (
     TrainingBackendSpec,
     InferenceEngineSpec,
@@ -156,5 +178,6 @@ RECORD_TYPES: tuple[type[ComponentSpec], ...] = (
     OpImplSpec,
     ConfigSectionSpec,
     LoggerSpec,
+    ModelSourceSpec,
 )
 RECORD_BY_KIND: dict[str, type[ComponentSpec]] = {cls.kind: cls for cls in RECORD_TYPES}

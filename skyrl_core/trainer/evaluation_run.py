@@ -50,16 +50,16 @@ def run_evaluation(cfg: Config, *, checkpoint: str | None = None, output: str | 
     from skyrl_core.trainer.evaluate import evaluate
     from skyrl_core.trainer.preflight import check_eval_inputs
     from skyrl_core.trainer.rl import _seed_everything
-    from skyrl_core.trainer.runtime import SMOLLM2_DIR, build_backend, build_engine, handshake, resolve_model
+    from skyrl_core.trainer.runtime import build_backend, build_engine, handshake, resolve_model
 
     pm = plugin_manager or get_plugin_manager()
-    rows, checkpoint_dir = check_eval_inputs(cfg, checkpoint, smollm2_dir=SMOLLM2_DIR, plugin_manager=pm)
+    rows, checkpoint_dir = check_eval_inputs(cfg, checkpoint, plugin_manager=pm)
     state = ckpt.read_trainer_state(checkpoint_dir) if checkpoint_dir else None
     label = os.path.basename(checkpoint_dir) if checkpoint_dir else "model"
     out_path = os.path.abspath(os.path.expanduser(
         output or os.path.join(cfg.trainer.output_dir, f"eval_{label}.json")))
     _seed_everything(cfg.trainer.seed)
-    model = resolve_model(cfg.model)
+    model = resolve_model(cfg.model, pm)
     codec = ChatCodec(load_tokenizer(model))
     gen = cfg.generation
     sampling = Sampling(n=gen.eval_n_samples, max_new_tokens=gen.max_new_tokens, temperature=gen.eval_temperature,

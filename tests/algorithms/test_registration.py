@@ -26,7 +26,7 @@ ESTIMATORS = {"gae", "grpo", "rloo", "reinforce++", "maxrl"}
 
 def records():
     got = []
-    plugin.skyrl_register_losses(got.append)
+    plugin.skyrl_register_algorithms(got.append)
     return got
 
 
@@ -46,7 +46,7 @@ def test_registering_imports_no_torch():
         "import sys\n"
         "import skyrl_core.algorithms.plugin as p\n"
         "recs = []\n"
-        "p.skyrl_register_losses(recs.append)\n"
+        "p.skyrl_register_algorithms(recs.append)\n"
         "[r.load_options_class() for r in recs]\n"
         "print('torch' in sys.modules)\n"
     )

@@ -35,7 +35,7 @@ def test_config_paths_resolve_against_the_file_outputs_against_the_current_direc
     assert cfg.model.path == os.path.expanduser("~/.cache/skyrl/models/SmolLM2-135M-Instruct")
     assert cfg.trainer.output_dir == str(elsewhere / "runs/quickstart")
     # what the run reads is there: the pre-flight checks pass from this directory
-    inputs = check_run_inputs(cfg, smollm2_dir=cfg.model.path)
+    inputs = check_run_inputs(cfg)
     assert len(inputs.train_rows) == 1000 and len(inputs.eval_rows) == 100
 
 

@@ -127,7 +127,7 @@ def test_build_validates_options_before_calling_the_factory(builtin_plugin_manag
 
     class LossPlugin:
         @hookimpl
-        def skyrl_register_losses(self, register):
+        def skyrl_register_algorithms(self, register):
             register(PolicyLossSpec(name="scaled", factory="tmp_component:make", options="tmp_component:Opts"))
 
     pm = builtin_plugin_manager

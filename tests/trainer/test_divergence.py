@@ -47,7 +47,7 @@ class NaNGradient(NaNLoss):
 
 class DivergingLosses:
     @hookimpl
-    def skyrl_register_losses(self, register):
+    def skyrl_register_algorithms(self, register):
         register(PolicyLossSpec(name="nan_loss", factory=f"{__name__}:NaNLoss"))
         register(PolicyLossSpec(name="nan_gradient", factory=f"{__name__}:NaNGradient"))
 

