@@ -19,3 +19,14 @@ def _one_thread_unless_asked():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """Ray for tests whose trainer runs as Ray ranks; shut down after the module if it started it."""
+    import ray
+
+    started = not ray.is_initialized()
+    yield
+    if started:
+        ray.shutdown()

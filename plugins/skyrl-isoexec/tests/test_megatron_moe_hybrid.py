@@ -48,16 +48,6 @@ def _assert_native_mismatch(off, on) -> None:
     assert off.trainer_hash == off.engine_hash != on.trainer_hash
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    started = not ray.is_initialized()
-    yield
-    if started:
-        ray.shutdown()
-
-
 @pytest.fixture
 def vllm_env(tmp_path, monkeypatch):
     pytest.importorskip("vllm")

@@ -37,16 +37,6 @@ def test_megatron_tensor_parallel_1(preset):
     _check(*_on_and_off(preset, 1))
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    started = not ray.is_initialized()
-    yield
-    if started:
-        ray.shutdown()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["qwen3", "llama"])
 def test_megatron_tensor_parallel_2(preset, ray_session):

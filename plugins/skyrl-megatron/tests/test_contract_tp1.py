@@ -12,20 +12,22 @@ from skyrl_megatron.options import MegatronOptions
 from megatron_test_models import TINY_LLAMA, TINY_QWEN3, TINY_QWEN3_MOE, TINY_QWEN3_NEXT
 
 
-@pytest.mark.parametrize("model_config", [TINY_QWEN3, TINY_LLAMA], ids=["qwen3-tied", "llama-untied"], indirect=True, scope="class")
-class TestMegatronTensorParallel1(BackendContract):
-    @pytest.fixture(scope="class")
-    @classmethod
-    def model_config(cls, request):
-        return ModelConfig(config=dict(request.param))
-
+class _InProcess(BackendContract):
     @pytest.fixture(scope="class")
     @classmethod
     def backend_factory(cls):
         return lambda model, trainer, seed: MegatronBackend(model, MegatronOptions(tensor_parallel=1), seed=seed, trainer=trainer)
 
 
-class TestMegatronQwen3MoE(BackendContract):
+@pytest.mark.parametrize("model_config", [TINY_QWEN3, TINY_LLAMA], ids=["qwen3-tied", "llama-untied"], indirect=True, scope="class")
+class TestMegatronTensorParallel1(_InProcess):
+    @pytest.fixture(scope="class")
+    @classmethod
+    def model_config(cls, request):
+        return ModelConfig(config=dict(request.param))
+
+
+class TestMegatronQwen3MoE(_InProcess):
     # Gradients at micro-batch sizes 1 and 4 agree to ~1e-9 (test_moe_micro_batch_gradients), but
     # expert and embedding entries as small as ~1e-9 make Adam's first step (lr * g / (|g| + eps))
     # turn that rounding into up to ~10% of lr.
@@ -36,24 +38,14 @@ class TestMegatronQwen3MoE(BackendContract):
     def model_config(cls):
         return ModelConfig(config=dict(TINY_QWEN3_MOE))
 
-    @pytest.fixture(scope="class")
-    @classmethod
-    def backend_factory(cls):
-        return lambda model, trainer, seed: MegatronBackend(model, MegatronOptions(tensor_parallel=1), seed=seed, trainer=trainer)
 
-
-class TestMegatronQwen3Next(BackendContract):
+class TestMegatronQwen3Next(_InProcess):
     micro_batch_update_rtol = 0.2  # experts, as for Qwen3-MoE above
 
     @pytest.fixture(scope="class")
     @classmethod
     def model_config(cls):
         return ModelConfig(config=dict(TINY_QWEN3_NEXT))
-
-    @pytest.fixture(scope="class")
-    @classmethod
-    def backend_factory(cls):
-        return lambda model, trainer, seed: MegatronBackend(model, MegatronOptions(tensor_parallel=1), seed=seed, trainer=trainer)
 
 
 def test_moe_micro_batch_gradients():
