@@ -181,6 +181,18 @@ class DynamicSamplingConfig:
 
 
 @attrs.frozen(kw_only=True)
+class DistillationConfig:
+    """On-policy distillation (docs/algorithms.md): a teacher replaces the reference policy."""
+
+    teacher: str | None = attrs.field(default=None, metadata=_help(
+        "teacher model directory (Hugging Face, the student's tokenizer); null: no distillation", path="input"))
+    coef: float = attrs.field(default=1.0, validator=_non_negative,
+                              metadata=_help("weight of the per-token advantage teacher logprob - student logprob"))
+    reward_coef: float = attrs.field(default=0.0, validator=_non_negative,
+                                     metadata=_help("weight of the environment reward's advantage mixed in"))
+
+
+@attrs.frozen(kw_only=True)
 class AlgorithmConfig:
     policy_loss: Selection = attrs.field(factory=lambda: Selection(name="ppo"), metadata=_help("policy loss"))
     advantage: Selection = attrs.field(factory=lambda: Selection(name="grpo"), metadata=_help("advantage estimator"))
@@ -201,6 +213,8 @@ class AlgorithmConfig:
         factory=DynamicSamplingConfig, metadata=_help("groups whose rewards are all equal")
     )
     value_clip: float = attrs.field(default=0.2, validator=_positive, metadata=_help("critic value clip (GAE)"))
+    distillation: DistillationConfig = attrs.field(factory=DistillationConfig,
+                                                   metadata=_help("on-policy distillation from a teacher"))
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.policy_loss.options, dict):  # structured options (raw dicts are not yet checked)

@@ -24,11 +24,13 @@ import attrs
 import torch
 import yaml
 
+from skyrl_core.algorithms.distillation import distillation_advantages, teacher_problems
 from skyrl_core.algorithms.kl import AdaptiveKLController, FixedKLController, apply_kl_penalty, kl_estimate
 from skyrl_core.algorithms.advantages import zero_variance_group_mask
 from skyrl_core.algorithms.off_policy import off_policy_correction
 from skyrl_core.algorithms.precedence import effective_loss_reduction
 from skyrl_core.algorithms.reductions import reduction_weights
+from skyrl_core.config.errors import ConfigError, ConfigIssue
 from skyrl_core.config.loader import unstructure
 from skyrl_core.config.schema import Config, OffPolicyConfig
 from skyrl_core.heap import keep_freed_memory, release_freed_memory
@@ -76,6 +78,9 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
     tc = cfg.trainer
     # bad paths, an occupied output_dir, components that cannot run here: all fail here, before anything is written
     inputs = check_run_inputs(cfg, plugin_manager=pm)
+    distill = cfg.algorithm.distillation
+    if teacher_problems(cfg):
+        raise ConfigError([ConfigIssue("algorithm.distillation.teacher", p) for p in teacher_problems(cfg)])
     if tc.memory_check:  # a step the kernel would kill mid-run is refused now, naming what lowers it
         check_step_memory(cfg)
     _seed_everything(tc.seed)
@@ -110,7 +115,12 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
         pm.hook.skyrl_on_run_start(config=cfg, run_dir=run_dir)
         backend = closing.enter_context(contextlib.closing(build_backend(pm, cfg, model)))
         engine = closing.enter_context(contextlib.closing(build_engine(pm, cfg, model)))
-        reference = ReferencePolicy(model, seed=tc.seed, trainer=tc) if use_kl else None
+        if distill.teacher is not None:  # the teacher replaces the reference (a KL term then pulls to it)
+            teacher = attrs.evolve(model, path=os.path.abspath(os.path.expanduser(distill.teacher)), config=None,
+                                   tokenizer=None)
+            reference = ReferencePolicy(teacher, seed=tc.seed, trainer=tc)
+        else:
+            reference = ReferencePolicy(model, seed=tc.seed, trainer=tc) if use_kl else None
         generator = RolloutGenerator(
             engine, codec, EnvironmentFactory(pm, cfg.environment.name, cfg.environment.options),
             max_turns=cfg.rollout.max_turns, max_prompt_tokens=cfg.rollout.max_prompt_tokens,
@@ -209,6 +219,12 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
                     rewards = apply_kl_penalty(rewards, kl, kl_ctl.value, batch.loss_mask)
                     metrics["kl"] = float(kl.sum() / batch.loss_mask.sum().clamp(min=1))
                 advantages, returns = _advantages(estimator, samples, rewards, batch)
+                if distill.teacher is not None:  # student logprobs: old ones, else the engine's (same policy)
+                    student = old_logprobs if old_logprobs is not None else batch.rollout_logprobs
+                    advantages, distill_metrics = distillation_advantages(
+                        advantages, ref_logprobs, student, batch.loss_mask, coef=distill.coef,
+                        reward_coef=distill.reward_coef)
+                    metrics.update(distill_metrics)
                 multiplier = batch.loss_mask
                 if old_logprobs is not None and old_logprobs is not batch.rollout_logprobs:
                     multiplier, mismatch = off_policy_correction(old_logprobs, batch.rollout_logprobs, batch.loss_mask,
