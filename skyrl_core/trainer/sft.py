@@ -123,7 +123,7 @@ def check_sft_inputs(cfg: Any, *, plugin_manager: Any) -> SFTInputs:
     """Datasets parsed and rendered (every conversation within ``sft.max_length``), model, resume
     checkpoint, output directory, components: every problem at once, as a ``ConfigError``."""
     from skyrl_core.models import load_tokenizer
-    from skyrl_core.trainer.preflight import _check_components, _check_model, _check_output_dir
+    from skyrl_core.trainer.preflight import _check_model, check_run_location
     from skyrl_core.trainer.runtime import resolve_model
 
     options = cfg.plugins["sft"]
@@ -153,17 +153,7 @@ def check_sft_inputs(cfg: Any, *, plugin_manager: Any) -> SFTInputs:
                     rendered[key].append(sample)
         except DatasetError as exc:
             issues.append(ConfigIssue(f"data.{key}", str(exc)))
-    resume_from = None
-    if cfg.trainer.resume:
-        from skyrl_core.trainer.checkpoint import read_trainer_state, resolve_checkpoint
-
-        try:
-            resume_from = resolve_checkpoint(cfg.trainer.resume)
-            read_trainer_state(resume_from)
-        except (FileNotFoundError, ValueError) as exc:
-            issues.append(ConfigIssue("trainer.resume", str(exc).removeprefix("trainer.resume=")))
-    _check_output_dir(issues, cfg, resume_from)
-    _check_components(issues, cfg, plugin_manager)
+    resume_from = check_run_location(issues, cfg, plugin_manager)
     if issues:
         raise ConfigError(issues)
     return SFTInputs(train=rendered["train"], eval=rendered["eval"], resume_from=resume_from)
