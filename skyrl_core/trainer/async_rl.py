@@ -251,8 +251,8 @@ def make_rollout_source(cfg: Any, *, collect_step: CollectStep, engine: Any, gen
     )
 
 
-def check_mode(cfg: Any, engine_supports_pause: bool) -> None:
-    """Refuse, before any rollout, a mode this run's parts cannot do as asked."""
+def check_mode(cfg: Any, plugin_manager: Any) -> None:
+    """Refuse, before anything is built, a mode this run's parts cannot do as asked."""
     mode = cfg.trainer.mode
     if mode == "sync":
         return
@@ -261,7 +261,8 @@ def check_mode(cfg: Any, engine_supports_pause: bool) -> None:
             f"trainer.mode={mode!r} with algorithm.dynamic_sampling.mode={cfg.algorithm.dynamic_sampling.mode!r} is not "
             "built: dynamic sampling runs with trainer.mode=sync only"
         )
-    if mode == "fully_async" and not engine_supports_pause:
+    engine_class = plugin_manager.spec("inference_engine", cfg.engine.name).load_factory()
+    if mode == "fully_async" and not getattr(engine_class, "supports_pause", False):
         raise ValueError(
             f"trainer.mode='fully_async' needs an engine that pauses in-flight requests for weight updates; "
             f"engine {cfg.engine.name!r} cannot (engine 'torch' can); use trainer.mode=one_step_off or sync"

@@ -81,6 +81,7 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
     distill = cfg.algorithm.distillation
     if teacher_problems(cfg):
         raise ConfigError([ConfigIssue("algorithm.distillation.teacher", p) for p in teacher_problems(cfg)])
+    check_mode(cfg, pm)  # a mode this run's parts cannot do as asked
     if tc.memory_check:  # a step the kernel would kill mid-run is refused now, naming what lowers it
         check_step_memory(cfg)
     _seed_everything(tc.seed)
@@ -145,7 +146,6 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
         # The engine starts from the backend's weights (fresh or restored), after the handshake.
         # A plugin (IsoExec) may vouch that the engine's logprobs are the trainer's bits: see step 2.
         verdict = handshake(pm, backend, engine)
-        check_mode(cfg, getattr(engine, "supports_pause", False))
         load_policy(engine, generator, backend.export_weights(), start_step)  # version = steps trained
         # Where each step's rollouts come from: generated now (sync), during the previous step
         # (one_step_off), or by workers that never wait for the trainer (fully_async): async_rl.py.

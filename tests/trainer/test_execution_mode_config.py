@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from skyrl_core.config.loader import ConfigError, structure_config
+from skyrl_core.plugins.manager import get_plugin_manager
 from skyrl_core.trainer.async_rl import check_mode
 
 TINY = {"model": {"config": {"model_type": "llama"}}}
@@ -30,14 +31,18 @@ def test_unknown_mode_and_bad_async_options_are_refused():
 
 
 def test_fully_async_needs_an_engine_that_pauses():
-    check_mode(_load("fully_async"), engine_supports_pause=True)
-    with pytest.raises(ValueError, match="trainer.mode='fully_async' needs an engine that pauses"):
-        check_mode(_load("fully_async", engine={"name": "vllm"}), engine_supports_pause=False)
-    check_mode(_load("one_step_off"), engine_supports_pause=False)  # no pause needed
+    pm = get_plugin_manager()
+    check_mode(_load("fully_async"), pm)  # the torch engine pauses
+    for engine in ("vllm", "openai", "sglang"):
+        if engine not in pm.registry.names("inference_engine"):
+            continue
+        with pytest.raises(ValueError, match="trainer.mode='fully_async' needs an engine that pauses"):
+            check_mode(_load("fully_async", engine={"name": engine}), pm)
+        check_mode(_load("one_step_off", engine={"name": engine}), pm)  # no pause needed
 
 
 @pytest.mark.parametrize("mode", ["one_step_off", "fully_async"])
 def test_dynamic_sampling_is_refused_outside_sync(mode):
     cfg = _load(mode, algorithm={"dynamic_sampling": {"mode": "drop"}})
     with pytest.raises(ValueError, match="dynamic_sampling"):
-        check_mode(cfg, engine_supports_pause=True)
+        check_mode(cfg, get_plugin_manager())
