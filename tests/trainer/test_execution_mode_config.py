@@ -33,12 +33,12 @@ def test_unknown_mode_and_bad_async_options_are_refused():
 def test_fully_async_needs_an_engine_that_pauses():
     pm = get_plugin_manager()
     check_mode(_load("fully_async"), pm)  # the torch engine pauses
-    for engine in ("vllm", "openai", "sglang"):
-        if engine not in pm.registry.names("inference_engine"):
+    for engine in ({"name": "vllm"}, {"name": "openai", "options": {"launch": True}}, {"name": "sglang"}):
+        if engine["name"] not in pm.registry.names("inference_engine"):
             continue
         with pytest.raises(ValueError, match="trainer.mode='fully_async' needs an engine that pauses"):
-            check_mode(_load("fully_async", engine={"name": engine}), pm)
-        check_mode(_load("one_step_off", engine={"name": engine}), pm)  # no pause needed
+            check_mode(_load("fully_async", engine=engine), pm)
+        check_mode(_load("one_step_off", engine=engine), pm)  # no pause needed
 
 
 @pytest.mark.parametrize("mode", ["one_step_off", "fully_async"])
