@@ -21,6 +21,7 @@ lengths: its logits alone are rows x L x 49k x 4 bytes per copy).
 
     python benchmarks/memory_scaling.py               # 1k 2k 4k 8k, 2 rows
     python benchmarks/memory_scaling.py --lengths 1024 2048 --rows 2
+    SKYRL_MEMORY_BENCH_MODEL=DIR python benchmarks/memory_scaling.py   # another model directory
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import sys
 from typing import Any
 
 PROMPT = 32
-SMOLLM2 = os.path.expanduser("~/.cache/skyrl/models/SmolLM2-135M-Instruct")
+SMOLLM2 = os.environ.get("SKYRL_MEMORY_BENCH_MODEL", os.path.expanduser("~/.cache/skyrl/models/SmolLM2-135M-Instruct"))
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 16384,
         "tie_word_embeddings": True}
@@ -98,6 +99,7 @@ def measure_trl(length: int, rows: int, checkpointing: bool) -> dict[str, float]
 
     torch.set_num_threads(2)
     tokenizer = AutoTokenizer.from_pretrained(SMOLLM2)
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(SMOLLM2, dtype="float32")
     dataset = Dataset.from_list([{"prompt": "x"}] * rows)
     args = GRPOConfig(
@@ -108,6 +110,7 @@ def measure_trl(length: int, rows: int, checkpointing: bool) -> dict[str, float]
     trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
                           train_dataset=dataset, processing_class=tokenizer)
     trainer.create_optimizer()
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer's loop, which is not run here
     model.train()
     ids = _rows(rows, length, model.config.vocab_size)
     inputs = {
