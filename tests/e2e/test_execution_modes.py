@@ -73,3 +73,48 @@ def test_fully_async_spans_versions_within_the_staleness_bound(tmp_path, pm, mon
     for r in records:
         assert r["async/staleness_max"] <= 1 and r["async/dropped"] >= 0
         assert {"async/staleness_mean", "time/trainer_wait", "time/generator_wait"} <= set(r)
+
+
+@pytest.mark.slow
+def test_fully_async_rollout_logprobs_are_the_trainers_bits_with_isoexec(tmp_path, pm, monkeypatch):
+    """Tokens sampled by the policy being trained (one version, the sample not paused across an
+    update: its keys/values all of that policy) have rollout logprobs equal to the trainer's at that
+    version, bit for bit, with IsoExec on; off (negative control), some differ."""
+    import os
+
+    from skyrl_fsdp.backend import FSDPBackend
+    from skyrl_isoexec import state
+
+    compared: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    original = FSDPBackend.forward_backward
+
+    def comparing(self, batch, loss_fn):
+        trained = trained_version[0]  # step k trains version k - 1
+        rows = [i for i, row in enumerate(batch.token_versions) if set(row[row >= 0].tolist()) == {trained}]
+        if rows:
+            sub = batch.select(rows)
+            mask = sub.loss_mask > 0
+            mine = self.forward(sub)[mask]
+            compared[name].append((mine, sub.rollout_logprobs[mask]))
+        trained_version[0] += 1
+        return original(self, batch, loss_fn)
+
+    monkeypatch.setattr(FSDPBackend, "forward_backward", comparing)
+    monkeypatch.delenv("SKYRL_ISOEXEC", raising=False)
+    config = write_tiny_config(tmp_path, steps=3, mini_batches=1)
+    saved = state.configure(None)
+    try:
+        for name, enabled in (("isoexec", "true"), ("stock", "false")):
+            compared[name], trained_version = [], [0]
+            cfg = load_config(str(config), [f"isoexec.enabled={enabled}", "trainer.mode=fully_async", "data.eval=null",
+                                            "trainer.fully_async.max_inflight=16", f"trainer.output_dir={tmp_path / name}"],
+                              plugin_manager=pm)
+            train(cfg, plugin_manager=pm)
+    finally:
+        state.configure(saved)
+        os.environ.pop("SKYRL_ISOEXEC", None)
+    for name in compared:
+        assert compared[name], f"{name}: no sample of the trained version to compare"
+    iso = [(a.view(torch.int32), b.view(torch.int32)) for a, b in compared["isoexec"]]
+    assert all(torch.equal(a, b) for a, b in iso)
+    assert any(not torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in compared["stock"])
