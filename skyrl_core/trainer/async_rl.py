@@ -261,9 +261,11 @@ def check_mode(cfg: Any, plugin_manager: Any) -> None:
             f"trainer.mode={mode!r} with algorithm.dynamic_sampling.mode={cfg.algorithm.dynamic_sampling.mode!r} is not "
             "built: dynamic sampling runs with trainer.mode=sync only"
         )
+    # Both async modes call the engine from several threads at once (rollouts beside evaluation and
+    # the handshake; fully_async also pauses it mid-generation): engines built for that say so.
     engine_class = plugin_manager.spec("inference_engine", cfg.engine.name).load_factory()
-    if mode == "fully_async" and not getattr(engine_class, "supports_pause", False):
+    if not getattr(engine_class, "supports_pause", False):
         raise ValueError(
-            f"trainer.mode='fully_async' needs an engine that pauses in-flight requests for weight updates; "
-            f"engine {cfg.engine.name!r} cannot (engine 'torch' can); use trainer.mode=one_step_off or sync"
+            f"trainer.mode={mode!r} needs an engine that pauses in-flight requests and serves concurrent "
+            f"generate calls; engine {cfg.engine.name!r} cannot (engine 'torch' can); use trainer.mode=sync"
         )

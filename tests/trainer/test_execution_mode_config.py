@@ -30,15 +30,16 @@ def test_unknown_mode_and_bad_async_options_are_refused():
         structure_config({**TINY, "trainer": {"fully_async": {"max_inflight": 0}}})
 
 
-def test_fully_async_needs_an_engine_that_pauses():
+@pytest.mark.parametrize("mode", ["one_step_off", "fully_async"])
+def test_async_modes_need_an_engine_that_pauses(mode):
     pm = get_plugin_manager()
-    check_mode(_load("fully_async"), pm)  # the torch engine pauses
+    check_mode(_load(mode), pm)  # the torch engine pauses and serves concurrent calls
+    check_mode(_load("sync", engine={"name": "vllm"}), pm)
     for engine in ({"name": "vllm"}, {"name": "openai", "options": {"launch": True}}, {"name": "sglang"}):
         if engine["name"] not in pm.registry.names("inference_engine"):
             continue
-        with pytest.raises(ValueError, match="trainer.mode='fully_async' needs an engine that pauses"):
-            check_mode(_load("fully_async", engine=engine), pm)
-        check_mode(_load("one_step_off", engine=engine), pm)  # no pause needed
+        with pytest.raises(ValueError, match=f"trainer.mode='{mode}' needs an engine that pauses"):
+            check_mode(_load(mode, engine=engine), pm)
 
 
 @pytest.mark.parametrize("mode", ["one_step_off", "fully_async"])
