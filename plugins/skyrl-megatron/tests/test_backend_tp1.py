@@ -1,5 +1,6 @@
 """The Megatron backend in-process (tensor parallel 1): what the contract suite does not cover."""
 
+import re
 import subprocess
 import sys
 
@@ -190,3 +191,31 @@ def test_hybrid_and_moe_layers_are_op_sites(fresh_plugin_manager, sequences):
     assert counts["rms_norm"] == 8
     ran = {(op, site) for op, site, _ in ledger.observed}
     assert {("gdn_core", "trainer_score"), ("moe_router", "trainer_score"), ("rms_norm", "trainer_score")} <= ran
+
+
+@pytest.mark.parametrize(
+    ("config", "options", "message"),
+    [
+        ("moe", {"tensor_parallel": 2, "world_size": 2, "device": "cpu"}, "qwen3_moe with tensor_parallel=2 is not supported on CPU"),
+        ("next", {"tensor_parallel": 2, "world_size": 2, "device": "cpu"}, "qwen3_next with tensor_parallel=2 is not supported on CPU"),
+        ("dense", {"expert_parallel": 2, "world_size": 2}, "expert_parallel=2 needs a mixture-of-experts model; qwen3 has no experts"),
+        ("next", {"expert_parallel": 3, "world_size": 3}, r"expert_parallel=3 does not divide the model's num_experts \(4\)"),
+    ],
+)
+def test_preflight_refuses_splits_the_model_cannot_take(config, options, message):
+    """Before any work: the same checks model construction makes (``layout.check_parallel``)."""
+    from skyrl_core.config.schema import ModelConfig
+    from skyrl_megatron.preflight import problems
+
+    from megatron_test_models import TINY_QWEN3_MOE, TINY_QWEN3_NEXT
+
+    model = {"moe": TINY_QWEN3_MOE, "next": TINY_QWEN3_NEXT, "dense": TINY_QWEN3}[config]
+
+    class _Config:
+        pass
+
+    run = _Config()
+    run.model = ModelConfig(config=dict(model))
+    found = problems(run, MegatronOptions(**options))
+    assert len(found) == 1 and re.search(message, found[0]), found
+    assert problems(run, MegatronOptions()) == []  # the same model at one process is fine

@@ -98,6 +98,22 @@ class GPTLayout:
                 )
 
 
+def check_parallel(layout: GPTLayout, *, tensor_parallel: int, expert_parallel: int, on_cpu: bool) -> None:
+    """``ValueError`` naming the problem when the model cannot be split this way (read by the
+    backend's pre-flight check and by model construction, so a run is refused before any work)."""
+    layout.check_tensor_parallel(tensor_parallel)
+    if layout.is_moe and tensor_parallel > 1 and on_cpu:
+        raise ValueError(
+            f"{layout.model_type} with tensor_parallel={tensor_parallel} is not supported on CPU: megatron-core "
+            "trains MoE layers under tensor parallelism only with sequence parallelism, which its torch "
+            "(non-Apex, non-Transformer-Engine) RMSNorm refuses; use tensor_parallel=1 on CPU"
+        )
+    if expert_parallel > 1 and not layout.is_moe:
+        raise ValueError(f"expert_parallel={expert_parallel} needs a mixture-of-experts model; {layout.model_type} has no experts")
+    if layout.is_moe and layout.num_experts % expert_parallel:
+        raise ValueError(f"expert_parallel={expert_parallel} does not divide the model's num_experts ({layout.num_experts})")
+
+
 def _rope_theta(hf_config: Any) -> float:
     params = getattr(hf_config, "rope_parameters", None) or {}
     scaling = getattr(hf_config, "rope_scaling", None) or {}

@@ -6,7 +6,7 @@ from typing import Mapping
 
 import torch
 
-from skyrl_megatron.layout import GPTLayout
+from skyrl_megatron.layout import GPTLayout, check_parallel
 
 
 def transformer_engine_available() -> bool:
@@ -26,15 +26,9 @@ def build_gpt_model(
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    layout.check_tensor_parallel(tensor_parallel)
+    check_parallel(layout, tensor_parallel=tensor_parallel, expert_parallel=1, on_cpu=on_cpu)
     moe: dict = {}
     if layout.is_moe:
-        if tensor_parallel > 1 and on_cpu:
-            raise ValueError(
-                f"{layout.model_type} with tensor_parallel={tensor_parallel} is not supported on CPU: megatron-core "
-                "trains MoE layers under tensor parallelism only with sequence parallelism, which its torch "
-                "(non-Apex, non-Transformer-Engine) RMSNorm refuses; use tensor_parallel=1 on CPU"
-            )
         moe = dict(
             # MoE under tensor parallelism requires sequence parallelism in megatron-core.
             sequence_parallel=tensor_parallel > 1,

@@ -1,5 +1,5 @@
-"""What the ``megatron`` backend needs, checked before a run: megatron-core installed, and a
-tensor-parallel degree that divides the model's heads and MLP (read from the model's config only)."""
+"""What the ``megatron`` backend needs, checked before a run: megatron-core installed, and tensor- and
+expert-parallel degrees the model can be split by (read from the model's config only)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import importlib.util
 import os
 from typing import Any
 
-from skyrl_megatron.layout import layout_from_hf_config
+from skyrl_megatron.layout import check_parallel, layout_from_hf_config
 
 
 def problems(config: Any, options: Any) -> list[str]:
@@ -19,11 +19,25 @@ def problems(config: Any, options: Any) -> list[str]:
     hf_config = _hf_config(config.model)
     if hf_config is None:
         return []  # no readable model config yet: the model.path check reports it
+    tensor_parallel = int(getattr(options, "tensor_parallel", 1))
+    expert_parallel = int(getattr(options, "expert_parallel", 1))
     try:
-        layout_from_hf_config(hf_config).check_tensor_parallel(int(getattr(options, "tensor_parallel", 1)))
+        layout = layout_from_hf_config(hf_config)
+        check_parallel(layout, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel, on_cpu=_on_cpu(options, layout, tensor_parallel))
     except ValueError as exc:
-        return [f"{exc} (backend.options.tensor_parallel)"]
+        return [f"{exc} (backend.options.tensor_parallel / expert_parallel)"]
     return []
+
+
+def _on_cpu(options: Any, layout: Any, tensor_parallel: int) -> bool:
+    device = getattr(options, "device", "auto")
+    if device != "auto":
+        return device == "cpu"
+    if not (layout.is_moe and tensor_parallel > 1):
+        return False  # nothing depends on it: do not import torch for it
+    import torch
+
+    return not torch.cuda.is_available()
 
 
 def precision_problem(model_dtype: str, options: Any) -> str | None:

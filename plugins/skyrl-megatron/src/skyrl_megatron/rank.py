@@ -27,7 +27,7 @@ from skyrl_core.ops.install import DEFAULT_IMPLS
 from skyrl_core.types import TrainingBatch
 from skyrl_megatron import logprobs as vp
 from skyrl_megatron.convert import expert_name, hf_to_megatron, megatron_to_hf
-from skyrl_megatron.layout import GPTLayout, layout_from_hf_config
+from skyrl_megatron.layout import GPTLayout, check_parallel, layout_from_hf_config
 from skyrl_megatron.model import build_gpt_model, left_align, load_parameters, transformer_engine_available
 from skyrl_megatron.ops_sites import patch_megatron_model
 from skyrl_megatron.optimizers import MegatronAdam, ShardedAdamW, wrap_for_gpu_training
@@ -160,8 +160,7 @@ class MegatronRank:
         hf_model = load_causal_lm(attrs.evolve(model, dtype="float32"), seed=seed)
         self.hf_config = hf_model.config
         self.layout: GPTLayout = layout_from_hf_config(hf_model.config)
-        if self.ep > 1 and not self.layout.is_moe:
-            raise ValueError(f"expert_parallel={self.ep} needs a mixture-of-experts model; {self.layout.model_type} has no experts")
+        check_parallel(self.layout, tensor_parallel=self.tp, expert_parallel=self.ep, on_cpu=self.device.type == "cpu")
         hf_state = hf_model.state_dict()
         del hf_model
         # The Qwen3-Next hybrid is built from local modules everywhere (skyrl_megatron.hybrid).
