@@ -12,8 +12,10 @@ Each mode's throughput is the trained samples over the summed step times (model 
 The modes run one after another, ``--rounds`` times (sync, one_step_off, fully_async, sync, ...),
 each in a fresh child process, so that a busy machine slows all alike; medians are reported.
 
-Then the weight-sync bandwidth for SmolLM2 (GB/s of fp32 weights): in-process tensors (the
-colocated engine's ``update_weights``). The last line: samples/s per mode and the ratios to sync
+Then the weight-sync bandwidth for SmolLM2 (GB/s of fp32 weights) into a torch engine, three ways:
+in-process tensors (the colocated engine's ``update_weights``), a broadcast over a gloo pair on
+loopback (``skyrl_core.weight_sync``; the receiving rank is a thread here) and a safetensors
+checkpoint written and loaded. The last line: samples/s per mode and the ratios to sync
 (target: fully_async >= 1.5x sync).
 
     python benchmarks/async_vs_sync.py [--rounds 1] [--steps 4] [--latency-median-s 1.0]
@@ -30,9 +32,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
+from skyrl_core import weight_sync
+from skyrl_core.backends.ray_actors import free_port
 from skyrl_core.plugins import hookimpl
 from skyrl_core.plugins.records import EnvironmentSpec
 from skyrl_core.types import StepResult
@@ -127,13 +132,39 @@ def weight_sync_bandwidth(args: argparse.Namespace) -> dict[str, float]:
     tensors = [(n, p.detach()) for n, p in source.named_parameters()]
     gigabytes = sum(t.numel() * t.element_size() for _, t in tensors) / 1e9
     engine = TorchEngine(model)
-    times = []
-    for _ in range(3):
-        started = time.perf_counter()
+
+    def in_process() -> None:
         engine.update_weights(iter(tensors))
-        times.append(time.perf_counter() - started)
+
+    def checkpoint() -> None:
+        with tempfile.TemporaryDirectory() as directory:
+            engine.update_weights(weight_sync.read_checkpoint(weight_sync.write_checkpoint(directory, tensors, 1)))
+
+    port = free_port()
+    joined: dict[str, Any] = {}
+    joining = threading.Thread(target=lambda: joined.update(group=weight_sync.gloo_pair("127.0.0.1", port, rank=1)))
+    joining.start()
+    sender = weight_sync.gloo_pair("127.0.0.1", port, rank=0)
+    joining.join()
+    manifest = weight_sync.manifest_of(tensors)
+
+    def broadcast() -> None:  # (the receiving side in a thread here; in use, the engine's process)
+        receiving = threading.Thread(
+            target=lambda: engine.update_weights(list(weight_sync.receive_by_broadcast(joined["group"], manifest))))
+        receiving.start()
+        weight_sync.send_by_broadcast(sender, tensors)
+        receiving.join()
+
+    out = {"gigabytes": gigabytes}
+    for name, sync in (("in_process_tensors", in_process), ("broadcast", broadcast), ("checkpoint", checkpoint)):
+        times = []
+        for _ in range(3):
+            started = time.perf_counter()
+            sync()
+            times.append(time.perf_counter() - started)
+        out[name] = gigabytes / min(times)
     engine.close()
-    return {"in_process_tensors": gigabytes / min(times), "gigabytes": gigabytes}
+    return out
 
 
 def _child(what: str, args: argparse.Namespace) -> dict[str, float]:
@@ -173,8 +204,8 @@ def main() -> None:
                   f"trainer waited {r['trainer_wait']:.1f} s, staleness max {r['staleness_max']:.0f}, "
                   f"dropped {r['dropped']:.0f})", flush=True)
     sync = _child("weight_sync", args)
-    print(f"weight sync, SmolLM2 fp32 ({sync['gigabytes']:.2f} GB): in-process tensors {sync['in_process_tensors']:.2f} GB/s; "
-          "broadcast and checkpoint: not built (engines run in the trainer's process)")
+    print(f"weight sync, SmolLM2 fp32 ({sync['gigabytes']:.2f} GB): in-process tensors {sync['in_process_tensors']:.2f} GB/s, "
+          f"gloo broadcast {sync['broadcast']:.2f} GB/s, checkpoint (safetensors write + load) {sync['checkpoint']:.2f} GB/s")
     median = {m: statistics.median(r["samples_per_s"] for r in results[m]) for m in MODES}
     print(" ".join(f"{m}={median[m]:.3f} samples/s" for m in MODES)
           + f" | one_step_off/sync={median['one_step_off'] / median['sync']:.2f}x"
