@@ -59,7 +59,11 @@ TINY_QWEN3_NEXT = {
     "tie_word_embeddings": False,
 }
 
-__all__ = ["TINY_LLAMA", "TINY_QWEN3", "TINY_QWEN3_MOE", "TINY_QWEN3_NEXT"]
+# Qwen3-Next with dense MLPs (layer 0 off the sparse step, layer 1 in mlp_only_layers): its
+# GatedDeltaNet and gated attention can be tensor-parallel on CPU (MoE layers cannot).
+DENSE_QWEN3_NEXT = {**TINY_QWEN3_NEXT, "decoder_sparse_step": 2, "mlp_only_layers": [1]}
+
+__all__ = ["DENSE_QWEN3_NEXT", "TINY_LLAMA", "TINY_QWEN3", "TINY_QWEN3_MOE", "TINY_QWEN3_NEXT"]
 
 
 def logprobs_minus_one(logits, token_ids, temperature=1.0):

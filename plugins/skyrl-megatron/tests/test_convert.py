@@ -9,10 +9,8 @@ from skyrl_core.testing.backend_contract import assert_weights_bitwise_equal, bi
 from skyrl_megatron.convert import expert_name, hf_to_megatron, megatron_to_hf
 from skyrl_megatron.layout import layout_from_hf_config
 
-from megatron_test_models import TINY_LLAMA, TINY_QWEN3, TINY_QWEN3_MOE, TINY_QWEN3_NEXT
+from megatron_test_models import DENSE_QWEN3_NEXT, TINY_LLAMA, TINY_QWEN3, TINY_QWEN3_MOE, TINY_QWEN3_NEXT
 
-# Qwen3-Next with a dense MLP in layer 1 (mlp_only_layers) and one in layer 0 (decoder_sparse_step 2).
-DENSE_QWEN3_NEXT = {**TINY_QWEN3_NEXT, "decoder_sparse_step": 2, "mlp_only_layers": [1]}
 # Vocabulary 510 is not divisible by 4: the shards are padded with zero rows.
 ODD_VOCAB_QWEN3 = {**TINY_QWEN3, "vocab_size": 510, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 16}
 

@@ -19,7 +19,7 @@ from skyrl_core.testing.backend_contract import (
 from skyrl_megatron.backend import MegatronBackend
 from skyrl_megatron.options import MegatronOptions
 
-from megatron_test_models import TINY_LLAMA, TINY_QWEN3, TINY_QWEN3_MOE
+from megatron_test_models import DENSE_QWEN3_NEXT, TINY_LLAMA, TINY_QWEN3, TINY_QWEN3_MOE, TINY_QWEN3_NEXT
 
 pytestmark = pytest.mark.slow
 
@@ -69,7 +69,7 @@ def train_curve(options: MegatronOptions, model: dict, batch, steps: int = 5) ->
     return first_logprobs, curve, last_logprobs
 
 
-@pytest.mark.parametrize("model", [TINY_QWEN3, TINY_LLAMA], ids=["qwen3", "llama"])
+@pytest.mark.parametrize("model", [TINY_QWEN3, TINY_LLAMA, DENSE_QWEN3_NEXT], ids=["qwen3", "llama", "qwen3-next-dense-mlp"])
 def test_tensor_parallel_1_and_2_train_the_same_curve(ray_session, model):
     # Five rows, micro-batches of 2: the last micro-batch has one row.
     batch = make_batch(*random_sequences(PROMPT_LENGTHS + (4,), RESPONSE_LENGTHS + (3,), vocab_size=512))
@@ -131,13 +131,14 @@ def test_a_failing_loss_on_one_replica_closes_the_backend_instead_of_hanging(ray
     backend.close()
 
 
-def test_expert_parallel_2_trains_like_one_process(ray_session):
-    """Qwen3-MoE with its 4 experts split over two ranks (2 each). Five rows over two replicas in
-    micro-batches of 2: replica 1 runs one padded pass and one empty pass to match replica 0's
-    collectives."""
+@pytest.mark.parametrize("model", [TINY_QWEN3_MOE, TINY_QWEN3_NEXT], ids=["qwen3-moe", "qwen3-next"])
+def test_expert_parallel_2_trains_like_one_process(ray_session, model):
+    """4 experts split over two ranks (2 each; Qwen3-Next's shared expert replicated). Five rows
+    over two replicas in micro-batches of 2: replica 1 runs one padded pass and one empty pass to
+    match replica 0's collectives."""
     batch = make_batch(*random_sequences(PROMPT_LENGTHS + (4,), RESPONSE_LENGTHS + (3,), vocab_size=512))
-    logprobs_1, curve_1, trained_1 = train_curve(MegatronOptions(), TINY_QWEN3_MOE, batch, steps=3)
-    logprobs_ep, curve_ep, trained_ep = train_curve(MegatronOptions(world_size=2, expert_parallel=2), TINY_QWEN3_MOE, batch, steps=3)
+    logprobs_1, curve_1, trained_1 = train_curve(MegatronOptions(), model, batch, steps=3)
+    logprobs_ep, curve_ep, trained_ep = train_curve(MegatronOptions(world_size=2, expert_parallel=2), model, batch, steps=3)
     assert (logprobs_1 - logprobs_ep).abs().max().item() <= 1e-5
     # The loss (with its entropy bonus) sums over micro-batches; the entropy metric is a mean of
     # micro-batch means, which depends on how rows fall into micro-batches, so it is not compared.
@@ -154,14 +155,16 @@ def test_hf_to_expert_parallel_2_to_hf_is_bit_exact(ray_session):
         assert_weights_bitwise_equal(dict(backend.export_weights()), dict(expected))
 
 
-def test_replicated_weights_stay_identical_across_tensor_parallel_ranks(ray_session):
-    """Norm weights are replicated on both ranks; Qwen3's per-head q/k norms see only each rank's
-    heads, so unless their gradients are summed across ranks the copies drift apart."""
+@pytest.mark.parametrize("model", [TINY_QWEN3, DENSE_QWEN3_NEXT], ids=["qwen3", "qwen3-next-dense-mlp"])
+def test_replicated_weights_stay_identical_across_tensor_parallel_ranks(ray_session, model):
+    """Norm weights are replicated on both ranks; Qwen3's per-head q/k norms and GatedDeltaNet's
+    output norm see only each rank's heads, so unless their gradients are summed across ranks the
+    copies drift apart."""
     import ray
 
     batch = make_batch(*random_sequences(PROMPT_LENGTHS, RESPONSE_LENGTHS, vocab_size=512))
     trainer = TrainerConfig(lr=1e-2, micro_batch_size=4)
-    with MegatronBackend(ModelConfig(config=dict(TINY_QWEN3)), MegatronOptions(tensor_parallel=2), trainer=trainer) as backend:
+    with MegatronBackend(ModelConfig(config=dict(model)), MegatronOptions(tensor_parallel=2), trainer=trainer) as backend:
         before = ray.get(backend._actors[0]._local_weights.remote())
         for _ in range(2):
             backend.forward_backward(batch, mean_logprob_loss)
@@ -169,6 +172,7 @@ def test_replicated_weights_stay_identical_across_tensor_parallel_ranks(ray_sess
         rank_0, rank_1 = ray.get([actor._local_weights.remote() for actor in backend._actors])
     replicated = [name for name in rank_0 if "norm" in name]
     assert any("q_layernorm" in name for name in replicated)
+    assert ("decoder.layers.0.self_attention.out_norm.weight" in replicated) == (model is DENSE_QWEN3_NEXT)
     for name in replicated:
         assert not torch.equal(rank_0[name], before[name]), f"{name} did not train"
         assert torch.equal(bits(rank_0[name]), bits(rank_1[name])), f"{name} differs between the ranks"
