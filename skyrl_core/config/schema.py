@@ -193,6 +193,17 @@ class DistillationConfig:
 
 
 @attrs.frozen(kw_only=True)
+class CriticConfig:
+    """PPO's value model (docs/algorithms.md, "Critic"): trained beside the policy, read by ``gae``."""
+
+    enabled: bool = attrs.field(default=False, metadata=_help("train a critic (needed by advantage gae, refused by others)"))
+    path: str | None = attrs.field(default=None, metadata=_help(
+        "the critic's body: a Hugging Face model directory with the policy's tokenizer; null: a copy of the "
+        "policy's model (same initial weights). A value head starting at zero goes on top", path="input"))
+    lr: float = attrs.field(default=1e-5, validator=_positive, metadata=_help("critic AdamW learning rate (constant)"))
+
+
+@attrs.frozen(kw_only=True)
 class AlgorithmConfig:
     policy_loss: Selection = attrs.field(factory=lambda: Selection(name="ppo"), metadata=_help("policy loss"))
     advantage: Selection = attrs.field(factory=lambda: Selection(name="grpo"), metadata=_help("advantage estimator"))
@@ -213,6 +224,7 @@ class AlgorithmConfig:
         factory=DynamicSamplingConfig, metadata=_help("groups whose rewards are all equal")
     )
     value_clip: float = attrs.field(default=0.2, validator=_positive, metadata=_help("critic value clip (GAE)"))
+    critic: CriticConfig = attrs.field(factory=CriticConfig, metadata=_help("value model for PPO with GAE"))
     distillation: DistillationConfig = attrs.field(factory=DistillationConfig,
                                                    metadata=_help("on-policy distillation from a teacher"))
 

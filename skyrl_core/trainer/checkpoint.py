@@ -4,6 +4,8 @@ Layout (``<output_dir>/checkpoints/``)::
 
     step_000004/
         backend/             whatever TrainingBackend.save_checkpoint writes (weights, optimizer, RNG)
+        critic/              only with algorithm.critic.enabled: the value model, its optimizer and
+                             step count (``skyrl_core.trainer.critic``)
         trainer_state.json   format, step, data position, KL coefficient, metrics history
         rng.safetensors      this process's Python, NumPy and torch RNG states (``skyrl_core.state_file``)
     latest                   the name of the newest complete checkpoint
@@ -32,6 +34,7 @@ LATEST_FILE = "latest"
 STATE_FILE = "trainer_state.json"
 RNG_FILE = "rng.safetensors"
 BACKEND_DIR = "backend"
+CRITIC_DIR = "critic"
 # 2: RNG state in safetensors + JSON (format 1 pickled it in rng.pt, which resuming would execute).
 FORMAT = 2
 
@@ -60,8 +63,10 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
 
 
-def save_checkpoint(output_dir: str, step: int, backend: Any, trainer_state: dict[str, Any]) -> str:
-    """Write the checkpoint of ``step`` and point ``latest`` at it; return its path."""
+def save_checkpoint(output_dir: str, step: int, backend: Any, trainer_state: dict[str, Any],
+                    critic: Any = None) -> str:
+    """Write the checkpoint of ``step`` (with ``critic``'s state if given) and point ``latest`` at
+    it; return its path."""
     from skyrl_core.state_file import save_state
 
     root = os.path.join(os.path.abspath(output_dir), CHECKPOINTS_DIR)
@@ -70,6 +75,8 @@ def save_checkpoint(output_dir: str, step: int, backend: Any, trainer_state: dic
     tmp = tempfile.mkdtemp(prefix=f".{checkpoint_name(step)}.tmp-", dir=root)
     try:
         backend.save_checkpoint(os.path.join(tmp, BACKEND_DIR))
+        if critic is not None:
+            critic.save(os.path.join(tmp, CRITIC_DIR))
         save_state(os.path.join(tmp, RNG_FILE), _rng_state())
         with open(os.path.join(tmp, STATE_FILE), "w", encoding="utf-8") as f:
             json.dump({"format": FORMAT, "step": step, **trainer_state}, f, sort_keys=True)
@@ -124,12 +131,15 @@ def read_trainer_state(path: str) -> dict[str, Any]:
     return state
 
 
-def load_checkpoint(path: str, backend: Any) -> dict[str, Any]:
-    """Restore the backend and this process's RNG from checkpoint ``path``; return the trainer state."""
+def load_checkpoint(path: str, backend: Any, critic: Any = None) -> dict[str, Any]:
+    """Restore the backend (and ``critic`` if given) and this process's RNG from checkpoint ``path``;
+    return the trainer state."""
     from skyrl_core.state_file import load_state
 
     state = read_trainer_state(path)
     rng = load_state(os.path.join(path, RNG_FILE))  # before the backend: a bad file changes nothing
+    if critic is not None:  # before the backend: a checkpoint without a critic changes nothing
+        critic.load(os.path.join(path, CRITIC_DIR))
     backend.load_checkpoint(os.path.join(path, BACKEND_DIR))
     _set_rng_state(rng)
     return state

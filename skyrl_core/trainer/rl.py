@@ -49,6 +49,7 @@ from skyrl_core.rollout import (
     training_samples,
 )
 from skyrl_core.trainer import checkpoint as ckpt
+from skyrl_core.trainer.critic import Critic, check_critic_choice
 from skyrl_core.trainer.evaluate import evaluate
 from skyrl_core.trainer.failure import RunActivity
 from skyrl_core.trainer.memory_estimate import check_step_memory
@@ -101,7 +102,7 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
     # the loss's own loss_reduction option, else algorithm.loss_reduction, else the loss's default
     loss_reduction = effective_loss_reduction(cfg.algorithm.loss_reduction, getattr(policy_loss, "options", None))
     estimator = build_selected(pm, "advantage_estimator", cfg.algorithm.advantage)
-    _check_estimator(estimator, cfg)
+    check_critic_choice(estimator, cfg)  # gae needs a critic; a critic needs an estimator that reads it
     kl_cfg = cfg.algorithm.kl
     use_kl = kl_cfg.use_as != "none" and (kl_cfg.coef > 0 or kl_cfg.adaptive_target is not None)
     kl_ctl = (AdaptiveKLController(kl_cfg.coef, kl_cfg.adaptive_target, kl_cfg.adaptive_horizon)
@@ -116,6 +117,7 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
         pm.hook.skyrl_on_run_start(config=cfg, run_dir=run_dir)
         backend = closing.enter_context(contextlib.closing(build_backend(pm, cfg, model)))
         engine = closing.enter_context(contextlib.closing(build_engine(pm, cfg, model)))
+        critic = Critic(cfg, model) if cfg.algorithm.critic.enabled else None
         if distill.teacher is not None:  # the teacher replaces the reference (a KL term then pulls to it)
             teacher = attrs.evolve(model, path=os.path.abspath(os.path.expanduser(distill.teacher)), config=None,
                                    tokenizer=None)
@@ -135,7 +137,7 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
         # --- resume ---------------------------------------------------------------------------------
         start_step, history = 0, []
         if tc.resume:
-            state = ckpt.load_checkpoint(inputs.resume_from, backend)
+            state = ckpt.load_checkpoint(inputs.resume_from, backend, critic)
             start_step, history = int(state["step"]), state["history"]
             sampler.load_state(state["sampler"])
             kl_ctl.value = float(state["kl_coef"])
@@ -218,7 +220,8 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
                     kl = kl_estimate(old_logprobs, ref_logprobs, kl_cfg.estimator) * batch.loss_mask
                     rewards = apply_kl_penalty(rewards, kl, kl_ctl.value, batch.loss_mask)
                     metrics["kl"] = float(kl.sum() / batch.loss_mask.sum().clamp(min=1))
-                advantages, returns = _advantages(estimator, samples, rewards, batch)
+                values = critic.values(batch) if critic is not None else None
+                advantages, returns = _advantages(estimator, samples, rewards, batch, values)
                 if distill.teacher is not None:  # student logprobs: old ones, else the engine's (same policy)
                     student = old_logprobs if old_logprobs is not None else batch.rollout_logprobs
                     advantages, distill_metrics = distillation_advantages(
@@ -231,7 +234,7 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
                                                                  cfg.algorithm.off_policy)
                     metrics.update(mismatch)
                 batch = attrs.evolve(batch, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
-                                     advantages=advantages, returns=returns)
+                                     advantages=advantages, returns=returns, values=values)
 
                 activity.now(step, "training (forward_backward and optimizer steps)")
                 # 4. PPO epochs over mini-batches; each mini-batch is one optimizer step
@@ -252,7 +255,8 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
                         check_finite(step, "loss", trained.get("loss"))  # before the optimizer step
                         stepped = backend.optim_step()  # skips the update on a non-finite gradient norm
                         check_finite(step, "gradient norm", stepped.get("grad_norm"))
-                        train_metrics.append({**trained, **stepped})
+                        critic_metrics = critic.train_step(mini) if critic is not None else {}
+                        train_metrics.append({**trained, **stepped, **critic_metrics})
                 metrics.update(_mean_metrics(train_metrics))
                 timings["time/train"] = time.perf_counter() - t
                 if use_kl:
@@ -291,7 +295,7 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
             if (tc.checkpoint_every and step % tc.checkpoint_every == 0) or step == tc.steps:
                 state = {"sampler": rollouts.sampler_state(), "kl_coef": kl_ctl.value, "history": log.history}
                 check_weights_finite(step, backend.export_weights())
-                path = ckpt.save_checkpoint(run_dir, step, backend, state)
+                path = ckpt.save_checkpoint(run_dir, step, backend, state, critic)
                 pm.hook.skyrl_on_checkpoint(step=step, path=path)
 
         # --- the end --------------------------------------------------------------------------------
@@ -314,15 +318,6 @@ def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def _check_estimator(estimator: Any, cfg: Config) -> None:
-    """Refuse, before any rollout, an estimator that needs a critic (this trainer trains none)."""
-    try:
-        estimator(torch.zeros(1, 1), torch.ones(1, 1), ["g"])
-    except ValueError as exc:
-        name = cfg.algorithm.advantage.name
-        raise ValueError(f"algorithm.advantage {name!r} cannot be used by the RL trainer: {exc}") from None
 
 
 def _rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
@@ -393,15 +388,18 @@ def _collect_rollouts(
 
 
 def _advantages(
-    estimator: Any, samples: list[TrainingSample], rewards: torch.Tensor, batch: TrainingBatch
+    estimator: Any, samples: list[TrainingSample], rewards: torch.Tensor, batch: TrainingBatch,
+    values: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Advantages and returns ``[B, R]``. Step-wise samples: estimated on each episode's last step
-    (one per episode, so groups count episodes, not turns), then given to its earlier steps."""
+    """Advantages and returns ``[B, R]`` (``values``: the critic's, for ``gae``). Step-wise samples:
+    estimated on each episode's last step (one per episode, so groups count episodes, not turns),
+    then given to its earlier steps."""
     mask = batch.loss_mask
     if all(s.is_last_step for s in samples):
-        return estimator(rewards, mask, batch.group_ids)
+        return estimator(rewards, mask, batch.group_ids, values)
     last = [i for i, s in enumerate(samples) if s.is_last_step]
-    adv_last, ret_last = estimator(rewards[last], mask[last], [batch.group_ids[i] for i in last])
+    adv_last, ret_last = estimator(rewards[last], mask[last], [batch.group_ids[i] for i in last],
+                                   values[last] if values is not None else None)
     first_token = mask[last].argmax(dim=-1)
     rows = torch.arange(len(last))
     per_episode_adv = dict(zip((samples[i].trajectory_id for i in last), adv_last[rows, first_token].tolist()))
