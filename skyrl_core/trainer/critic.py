@@ -137,9 +137,9 @@ class Critic:
         self.optimizer_steps = int(state["optimizer_steps"])
 
 
-def check_critic_choice(estimator: Any, cfg: Config) -> None:
-    """Refuse, before any rollout, an estimator that needs values without a critic, and a critic
-    that no estimator would read."""
+def check_critic_choice(estimator: Any, cfg: Config, resume_from: str | None = None) -> None:
+    """Refuse, before any work, an estimator that needs values without a critic, a critic that no
+    estimator would read, and a checkpoint to resume (``resume_from``) that holds no critic."""
     try:
         estimator(torch.zeros(1, 1), torch.ones(1, 1), ["g"])
         needs_values = False
@@ -157,3 +157,9 @@ def check_critic_choice(estimator: Any, cfg: Config) -> None:
         raise ValueError(f"algorithm.critic.path={path!r} is set but algorithm.critic.enabled is false")
     if path is not None and not os.path.isfile(os.path.join(os.path.expanduser(path), "config.json")):
         raise ValueError(f"algorithm.critic.path={path!r} is not a Hugging Face model directory (no config.json)")
+    if cfg.algorithm.critic.enabled and resume_from is not None:
+        from skyrl_core.trainer.checkpoint import CRITIC_DIR
+
+        if not os.path.isfile(os.path.join(resume_from, CRITIC_DIR, STATE_FILE)):
+            raise ValueError(f"trainer.resume: checkpoint {resume_from!r} holds no critic ({CRITIC_DIR}/{STATE_FILE}), "
+                             "but algorithm.critic.enabled is true: it was written by a run without a critic")

@@ -102,7 +102,8 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
     # the loss's own loss_reduction option, else algorithm.loss_reduction, else the loss's default
     loss_reduction = effective_loss_reduction(cfg.algorithm.loss_reduction, getattr(policy_loss, "options", None))
     estimator = build_selected(pm, "advantage_estimator", cfg.algorithm.advantage)
-    check_critic_choice(estimator, cfg)  # gae needs a critic; a critic needs an estimator that reads it
+    # gae needs a critic; a critic needs an estimator that reads it (and a checkpoint that holds it)
+    check_critic_choice(estimator, cfg, inputs.resume_from if tc.resume else None)
     kl_cfg = cfg.algorithm.kl
     use_kl = kl_cfg.use_as != "none" and (kl_cfg.coef > 0 or kl_cfg.adaptive_target is not None)
     kl_ctl = (AdaptiveKLController(kl_cfg.coef, kl_cfg.adaptive_target, kl_cfg.adaptive_horizon)

@@ -126,3 +126,12 @@ def test_estimator_and_critic_must_match(tmp_path) -> None:
         check_critic_choice(make_grpo(), _cfg("grpo"))
     with pytest.raises(ValueError, match="algorithm.critic.path=.* is not a Hugging Face model directory"):
         check_critic_choice(make_gae(), _cfg(path=str(tmp_path)))
+
+
+def test_resuming_a_checkpoint_without_a_critic_is_refused_before_work(tmp_path) -> None:
+    without = ckpt.save_checkpoint(str(tmp_path), 1, FakeBackendState(), {"history": []})
+    with pytest.raises(ValueError, match="trainer.resume: checkpoint .*step_000001' holds no critic"):
+        check_critic_choice(make_gae(), _cfg(), resume_from=without)
+    critic = Critic(_cfg(), ModelConfig(config=TINY_QWEN3))
+    with_critic = ckpt.save_checkpoint(str(tmp_path), 2, FakeBackendState(), {"history": []}, critic)
+    check_critic_choice(make_gae(), _cfg(), resume_from=with_critic)
