@@ -13,6 +13,7 @@ Training: every policy mini-batch also trains the critic once, with the clipped 
 ``skyrl_core.algorithms.critic.value_loss`` (``algorithm.value_clip``) against the estimator's
 returns, old values being those computed before the step's first update; rows go through in
 ``trainer.micro_batch_size`` micro-batches whose losses sum to the mini-batch's token mean.
+Metrics ``critic/*``: the loss's, ``grad_norm`` and ``explained_variance`` of the old values.
 
 Checkpoint (``critic/`` in a trainer checkpoint): ``model.safetensors`` (body and head by module
 name), ``optimizer.safetensors`` and ``critic_state.json`` (format, optimizer steps).
@@ -103,6 +104,7 @@ class Critic:
             for key in sums:
                 sums[key] += float(metrics[key]) * share
         norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))
+        sums["explained_variance"] = explained_variance(mini.values, mini.returns, mini.loss_mask)
         if math.isfinite(norm):  # like the policy: a non-finite gradient skips the update
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -135,6 +137,16 @@ class Critic:
         self.optimizer.load_state_dict(load_state(os.path.join(path, OPTIMIZER_FILE)))
         self.optimizer.zero_grad(set_to_none=True)
         self.optimizer_steps = int(state["optimizer_steps"])
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """``1 - Var(R - V) / Var(R)`` over the trained tokens: 0 for values that know nothing (constant),
+    1 for exact ones. Read on the values the step started from, so it measures the critic on rows it
+    had not trained on yet, whatever the returns' scale (which moves as the policy learns)."""
+    trained = mask > 0
+    r, v = returns[trained].double(), values[trained].double()
+    spread = float(r.var(unbiased=False)) if r.numel() else 0.0
+    return 1.0 - float((r - v).var(unbiased=False)) / spread if spread > 0 else 0.0
 
 
 def check_critic_choice(estimator: Any, cfg: Config, resume_from: str | None = None) -> None:
