@@ -165,7 +165,7 @@ def test_components_that_cannot_run_here_are_refused(tmp_path, monkeypatch):
     megatron = _selecting(tmp_path, backend={"name": "megatron", "options": {"tensor_parallel": 3}})
     assert _issues(megatron)["backend.name"] == (
         "'megatron': tensor_parallel=3 does not divide the model's num_attention_heads (2); choose a "
-        "tensor_parallel that divides it (backend.options.tensor_parallel)")
+        "tensor_parallel that divides it (backend.options.tensor_parallel / expert_parallel)")
     check_run_inputs(structure_config(_selecting(tmp_path, backend={"name": "megatron", "options": {"tensor_parallel": 1}})))
 
     real_find_spec = importlib.util.find_spec

@@ -55,13 +55,19 @@ def kill_members_and_remove(directory: Path) -> bool:
             os.kill(int(pid), signal.SIGKILL)
         except (ProcessLookupError, PermissionError, ValueError):
             pass
-    try:
-        directory.rmdir()
-        return True
-    except FileNotFoundError:
-        return True
-    except OSError:
-        return False
+    # A killed member leaves the cgroup only once the kernel has torn it down: until then rmdir
+    # fails with EBUSY, so retry for a short while instead of leaving the cgroup behind.
+    deadline = time.monotonic() + 5.0
+    while True:
+        try:
+            directory.rmdir()
+            return True
+        except FileNotFoundError:
+            return True
+        except OSError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
 
 
 def _mounts() -> list[tuple[str, str, set[str]]]:
