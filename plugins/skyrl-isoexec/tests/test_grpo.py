@@ -4,7 +4,6 @@ after optimizer steps and weight syncs; with IsoExec off it is not."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -18,10 +17,8 @@ TINY_QWEN3 = {
 
 def _run(tmp_path: Path, enabled: bool) -> list[dict]:
     import torch
-    import yaml
 
-    from skyrl_core.config.loader import load_config
-    from skyrl_core.trainer.rl import train
+    from skyrl_core.testing.runs import train_config_dict
     from skyrl_isoexec import state
 
     data = REPO / "examples" / "data" / "arithmetic" / "train.jsonl"
@@ -37,16 +34,12 @@ def _run(tmp_path: Path, enabled: bool) -> list[dict]:
         # Measure the mismatch at every step (the skip would measure it at step 1 only).
         "isoexec": {"enabled": enabled, "skip_old_logprob_pass": False},
     }
-    tmp_path.mkdir(parents=True)
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
     torch.set_num_threads(1)
     previous = state.configure(None)
     try:
-        train(load_config(str(path), []))
+        return train_config_dict(config, tmp_path)
     finally:
         state.configure(previous)
-    return [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.slow

@@ -17,7 +17,6 @@ Covered combinations (each end-to-end run costs a Megatron build and an engine s
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -90,10 +89,8 @@ def test_tensor_parallel_2_hybrid_against_torch(tmp_path, ray_session):
 
 
 def _grpo(tmp_path: Path, monkeypatch, preset_name: str) -> list[dict]:
-    import yaml
 
-    from skyrl_core.config.loader import load_config
-    from skyrl_core.trainer.rl import train
+    from skyrl_core.testing.runs import train_config_dict
     from skyrl_isoexec import state
     from skyrl_isoexec.presets import preset
 
@@ -115,15 +112,11 @@ def _grpo(tmp_path: Path, monkeypatch, preset_name: str) -> list[dict]:
         # Measure the mismatch at every step (after the step-1 optimizer step and weight sync too).
         "isoexec": {"enabled": True, "skip_old_logprob_pass": False},
     }
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
     previous = state.configure(None)
     try:
-        train(load_config(str(path), []))
+        return train_config_dict(config, tmp_path)
     finally:
         state.configure(previous)
-    return [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.parametrize("preset_name", ["qwen3-moe", "qwen3-next"])

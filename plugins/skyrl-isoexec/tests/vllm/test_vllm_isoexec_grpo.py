@@ -6,7 +6,6 @@ IsoExec off shows the native mismatch."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -22,10 +21,8 @@ TINY_QWEN3 = {
 
 
 def _run(tmp_path: Path, monkeypatch, *, enabled: bool, skip: bool, steps: int = 3) -> list[dict]:
-    import yaml
 
-    from skyrl_core.config.loader import load_config
-    from skyrl_core.trainer.rl import train
+    from skyrl_core.testing.runs import train_config_dict
     from skyrl_isoexec import state
 
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))
@@ -45,15 +42,11 @@ def _run(tmp_path: Path, monkeypatch, *, enabled: bool, skip: bool, steps: int =
                     "plot": False, "output_dir": str(tmp_path / "run")},
         "isoexec": {"enabled": enabled, "skip_old_logprob_pass": skip},
     }
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
     previous = state.configure(None)
     try:
-        train(load_config(str(path), []))
+        return train_config_dict(config, tmp_path)
     finally:
         state.configure(previous)
-    return [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_grpo_with_vllm_logs_zero_mismatch_at_every_step(tmp_path, monkeypatch):
