@@ -14,7 +14,7 @@ nothing. This module imports torch lazily.
 
 from __future__ import annotations
 
-from skyrl_core.ops.ledger import OpLedger
+from skyrl_core.ops.ledger import OpLedger, OpLedgerView
 from skyrl_core.ops.vocabulary import OPS, ROLE_SITES, SITES, current_site, site_scope
 from skyrl_core.ops.install import install_op, prepare_model, token_logprobs
 
@@ -23,6 +23,7 @@ __all__ = [
     "ROLE_SITES",
     "SITES",
     "OpLedger",
+    "OpLedgerView",
     "current_site",
     "install_op",
     "prepare_model",

@@ -9,6 +9,11 @@ import attrs
 
 from skyrl_core.plugins.records import OpImplSpec
 
+# An ``OpLedger`` in its JSON form (``OpLedger.as_dict()``). Runtimes run in other processes (ranks,
+# engine workers), so this form is what an execution contract carries and what the
+# ``skyrl_execution_contract`` hook receives.
+OpLedgerView = dict[str, Any]
+
 
 @attrs.define
 class OpLedger:

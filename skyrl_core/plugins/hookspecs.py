@@ -19,6 +19,8 @@ from skyrl_core.plugins import hookspec
 if TYPE_CHECKING:  # imported for annotations only: registration must stay cheap
     import click
 
+    from skyrl_core.config.schema import Config
+    from skyrl_core.ops.ledger import OpLedgerView
     from skyrl_core.plugins.records import (
         AdvantageEstimatorSpec,
         ConfigSectionSpec,
@@ -143,9 +145,10 @@ def skyrl_register_config_sections(register: Callable[[ConfigSectionSpec], None]
 def skyrl_register_loggers(register: Callable[[LoggerSpec], None]) -> None:
     """Register metrics loggers (``LoggerSpec``) that users select in ``trainer.loggers``.
 
-    Registration makes the name known to config validation; the logger itself works through the run
-    events below (``skyrl_core.trainer.loggers.LoggerPlugin`` implements them for one sink). Must not
-    import the logging library: it is imported only when the logger is selected.
+    Registration makes the name known to config validation (an unknown name is refused with "did you
+    mean"); the logger itself works through the run events below
+    (``skyrl_core.trainer.loggers.LoggerPlugin`` implements them for one sink). Must not import the
+    logging library: it is imported only when the logger is selected.
 
     Example::
 
@@ -177,12 +180,21 @@ def skyrl_install_op(op: str, site: str, impl: OpImplSpec) -> OpImplSpec | None:
 
 
 @hookspec
-def skyrl_execution_contract(role: str, ledger: Any) -> dict[str, Any] | None:
+def skyrl_execution_contract(role: str, ledger: OpLedgerView | None) -> dict[str, Any] | None:
     """Contribute to the execution contract of a runtime (``role`` is ``"trainer"`` or ``"engine"``).
 
-    ``ledger`` is the ``skyrl_core.ops.OpLedger`` of that runtime. Return a JSON-able dict (merged
-    under the plugin's name) or None. Contributions are hashed; a trainer and an engine whose hashes
-    differ refuse to sync weights (see ``skyrl_verify_handshake``).
+    ``ledger`` is that runtime's ``skyrl_core.ops.OpLedger`` in its JSON form (``OpLedger.as_dict()``:
+    ``{"op@site": {"impl", "version", "constants", "calls"}, "model": {...}}``), because runtimes run
+    in other processes (ranks, engine workers) and their contracts cross as JSON; None when the
+    runtime reports no ledger. Return a JSON-able dict (merged under the plugin's name) or None.
+    A trainer and an engine whose contributions differ refuse to sync weights (see
+    ``skyrl_verify_handshake``).
+
+    Example::
+
+        @hookimpl
+        def skyrl_execution_contract(role, ledger):
+            return {"linear": (ledger or {}).get("linear@trainer_forward", {}).get("impl")}
     """
 
 
@@ -202,12 +214,22 @@ def skyrl_verify_handshake(trainer_contract: dict[str, Any], engine_contract: di
 
 
 @hookspec
-def skyrl_worker_init(role: str) -> None:
-    """A runtime process of ``role`` (``"trainer"``, ``"engine"``) has started; install per-process state.
+def skyrl_worker_init(role: str, engine: str) -> None:
+    """A runtime process of ``role`` has started inside the inference library ``engine``; install
+    per-process state there.
 
-    Runs in every worker process, including processes spawned by vLLM and SGLang (through their own
-    plugin groups, see skyrl-vllm and skyrl-sglang). Must be idempotent and cheap when the plugin
-    is not enabled.
+    ``role`` is ``"engine"``; ``engine`` is the registered name of the inference engine whose
+    library started the process (``"vllm"``, ``"sglang"``), so that an implementation acts only
+    where it knows the library. Engine plugins call it from their own bootstrap in every process
+    their library spawns (vLLM's ``vllm.general_plugins``, SGLang's ``sglang.srt.plugins``), before
+    the model is built. Must be idempotent and cheap when the plugin is not enabled.
+
+    Example::
+
+        @hookimpl
+        def skyrl_worker_init(role, engine):
+            if role == "engine" and engine == "vllm" and my_plugin_enabled():
+                install_into_vllm()
     """
 
 
@@ -215,8 +237,14 @@ def skyrl_worker_init(role: str) -> None:
 
 
 @hookspec
-def skyrl_on_run_start(config: Any, run_dir: str) -> None:
-    """The trainer is about to run ``config``; its outputs go to ``run_dir``."""
+def skyrl_on_run_start(config: Config, run_dir: str) -> None:
+    """The trainer is about to run ``config`` (structured and validated); its outputs go to ``run_dir``.
+
+    Called once per run (``skyrl train``, ``skyrl sft``, ``skyrl eval``) after the pre-run checks
+    and before the backend and engine are built, so a plugin adopts its section of
+    ``config.plugins`` here (IsoExec must be on before runtimes install their ops). Raising stops
+    the run before any training step, with the error shown.
+    """
 
 
 @hookspec

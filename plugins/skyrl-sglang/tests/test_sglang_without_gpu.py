@@ -127,9 +127,9 @@ import os
 from skyrl_core.plugins import hookimpl
 
 @hookimpl
-def skyrl_worker_init(role):
+def skyrl_worker_init(role, engine):
     with open(os.path.join(os.environ["SKYRL_PROBE_DIR"], f"init-{os.getpid()}.txt"), "a") as f:
-        f.write(role + "\\n")
+        f.write(f"{role}:{engine}\\n")
 """
 
 # What SGLang's plugin loader does for the group sglang.srt.plugins (SGLang itself needs CUDA).
@@ -165,6 +165,6 @@ def test_bootstrap_entry_point_is_inert_without_the_marker(tmp_path, marker):
     if marker:
         assert result["ran"] is True
         assert files == [f"init-{result['pid']}.txt"]
-        assert (reports / files[0]).read_text() == "engine\n"  # once, though the loader ran twice
+        assert (reports / files[0]).read_text() == "engine:sglang\n"  # once, though the loader ran twice
     else:
         assert result["ran"] is False and files == []

@@ -56,8 +56,8 @@ class TestVLLMEngine(EngineContract):
         reports = probe_reports(reports_dir)
         started = vllm_processes()  # this class's engine: its engine core and its worker
         assert worker["pid"] in started and len(started) == 2
-        # The probe plugin answered skyrl_worker_init(role="engine") exactly once in each of them.
-        assert {pid: reports.get(pid) for pid in started} == {pid: ["engine"] for pid in started}
+        # The probe plugin answered skyrl_worker_init(role="engine", engine="vllm") exactly once in each of them.
+        assert {pid: reports.get(pid) for pid in started} == {pid: ["engine:vllm"] for pid in started}
         assert bootstrap.ran_in_this_process()  # the front-end (this process) is initialised too
 
     def test_execution_contract_comes_from_the_worker(self, engine):

@@ -104,4 +104,4 @@ def test_bootstrap_runs_through_vllm_entry_point_only_with_the_marker(tmp_path, 
         assert reports == {}
     else:
         assert result["ran"] is True
-        assert reports == {result["pid"]: ["engine"]}  # once, in that process
+        assert reports == {result["pid"]: ["engine:vllm"]}  # once, in that process

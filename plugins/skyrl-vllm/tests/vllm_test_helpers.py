@@ -28,7 +28,7 @@ requires_vllm_cpu = pytest.mark.skipif(
 def write_probe_plugin(root: str) -> str:
     """Write an installed-looking skyrl plugin under ``root`` (add ``root`` to PYTHONPATH to install it).
 
-    Its ``skyrl_worker_init`` appends the role to ``$SKYRL_PROBE_DIR/init-<pid>.txt``: one file per
+    Its ``skyrl_worker_init`` appends ``role:engine`` to ``$SKYRL_PROBE_DIR/init-<pid>.txt``: one file per
     process it ran in, one line per call. A ``.dist-info`` with an entry point of the group
     ``skyrl`` is all skyrl's plugin manager needs to find it.
     """
@@ -43,10 +43,10 @@ def write_probe_plugin(root: str) -> str:
 
 
                 @hookimpl
-                def skyrl_worker_init(role):
+                def skyrl_worker_init(role, engine):
                     path = os.path.join(os.environ["SKYRL_PROBE_DIR"], f"init-{os.getpid()}.txt")
                     with open(path, "a") as f:
-                        f.write(role + "\\n")
+                        f.write(f"{role}:{engine}\\n")
                 """
             )
         )
@@ -92,7 +92,7 @@ def environ(values: dict[str, str]) -> Iterator[None]:
 
 
 def probe_reports(probe_dir: str) -> dict[int, list[str]]:
-    """``{pid: [roles]}`` of every process the probe plugin's worker-init ran in."""
+    """``{pid: ["role:engine", ...]}`` of every process the probe plugin's worker-init ran in."""
     reports = {}
     for name in os.listdir(probe_dir):
         if name.startswith("init-") and name.endswith(".txt"):

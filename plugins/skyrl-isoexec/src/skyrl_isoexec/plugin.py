@@ -43,10 +43,6 @@ def skyrl_execution_contract(role, ledger):
     from skyrl_isoexec import state
     from skyrl_isoexec.contract import build_contract
 
-    if isinstance(ledger, dict) and "ledger" in ledger and "model" not in ledger:
-        ledger = ledger["ledger"]  # a whole runtime contract
-    if ledger is not None and not isinstance(ledger, dict):
-        ledger = ledger.as_dict()  # an OpLedger object
     return build_contract(role, ledger, enabled=state.enabled())
 
 
@@ -82,8 +78,11 @@ def skyrl_add_cli_commands(cli):
 
 
 @hookimpl
-def skyrl_worker_init(role):
-    """Inside a vLLM process of an engine with IsoExec on: install the canonical ops there."""
+def skyrl_worker_init(role, engine):
+    """Inside a vLLM engine process: install the canonical ops there (inert while IsoExec is off).
+    IsoExec has no implementation inside other engines' processes."""
+    if role != "engine" or engine != "vllm":
+        return
     from skyrl_isoexec.vllm import worker_init
 
     worker_init(role)

@@ -4,7 +4,7 @@ SGLang calls every function of the entry-point group ``sglang.srt.plugins`` once
 processes (``sglang.srt.plugins.load_plugins``). skyrl registers ``register`` there. It does nothing
 unless the marker ``SKYRL_SGLANG_WORKER=1`` is in the environment (``SGLangEngine`` sets it before
 starting SGLang; spawned processes inherit it); with the marker it builds skyrl's plugin manager in
-that process, calls ``skyrl_worker_init(role="engine")`` and installs skyrl's op sites in SGLang's
+that process, calls ``skyrl_worker_init(role="engine", engine="sglang")`` and installs skyrl's op sites in SGLang's
 layers (``skyrl_sglang.op_sites``), once per process.
 """
 
@@ -50,7 +50,7 @@ def register() -> None:
     except ImportError as exc:  # a skyrl-core without a plugin manager cannot host plugins
         logger.warning("skyrl bootstrap in SGLang process %d: no plugin manager (%s)", os.getpid(), exc)
         return
-    get_plugin_manager().hook.skyrl_worker_init(role="engine")
+    get_plugin_manager().hook.skyrl_worker_init(role="engine", engine="sglang")
     if "sglang" in sys.modules:  # SGLang's own loader called us (tests call the bootstrap directly)
         from skyrl_sglang import op_sites
 

@@ -5,7 +5,7 @@ processes (front-end, engine core, every worker) before it builds the model. sky
 ``register`` there. It does nothing unless the marker ``SKYRL_VLLM_WORKER=1`` is in the environment
 (``VLLMEngine`` sets it before starting vLLM; spawned processes inherit it), so installing
 skyrl-vllm never changes a vLLM that skyrl did not start. With the marker it builds skyrl's plugin
-manager in that process, calls ``skyrl_worker_init(role="engine")`` and installs skyrl's op
+manager in that process, calls ``skyrl_worker_init(role="engine", engine="vllm")`` and installs skyrl's op
 sites in vLLM's layers (``skyrl_vllm.op_sites``: vLLM's own kernels unless a plugin installs
 another implementation of an op), once per process.
 """
@@ -55,7 +55,7 @@ def register() -> None:
     except ImportError as exc:  # a skyrl-core without a plugin manager cannot host plugins
         logger.warning("skyrl bootstrap in vLLM process %d: no plugin manager (%s)", os.getpid(), exc)
         return
-    get_plugin_manager().hook.skyrl_worker_init(role="engine")
+    get_plugin_manager().hook.skyrl_worker_init(role="engine", engine="vllm")
     if os.environ.get(OP_SITES_SWITCH, "1") != "0":
         from skyrl_vllm import op_sites
 

@@ -77,7 +77,7 @@ class SkyrlWorkerExtension:
         attestation["ledger"] = ledger.as_dict()
         contributions: dict[str, Any] = {}
         for impl in pm.hook.skyrl_execution_contract.get_hookimpls():
-            result = impl.function(role="engine", ledger=ledger)
+            result = impl.function(role="engine", ledger=attestation["ledger"])
             if result is not None:
                 contributions[impl.plugin_name] = result
         attestation["plugins"] = contributions
