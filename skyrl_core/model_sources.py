@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import os
 from importlib import metadata
-from typing import Any
+from typing import TYPE_CHECKING
 
 from skyrl_core.plugins.records import ModelSourceSpec
 
+if TYPE_CHECKING:
+    from skyrl_core.plugins.manager import SkyrlPluginManager
 
-def source_for(path: str, plugin_manager: Any = None) -> ModelSourceSpec | None:
+
+def source_for(path: str, plugin_manager: SkyrlPluginManager | None = None) -> ModelSourceSpec | None:
     """The registered model source whose directory is ``path``, if any."""
     if plugin_manager is None:
         from skyrl_core.plugins.manager import get_plugin_manager
@@ -34,7 +37,7 @@ def missing_distributions(spec: ModelSourceSpec) -> list[str]:
     return missing
 
 
-def make_if_missing(path: str, plugin_manager: Any = None) -> None:
+def make_if_missing(path: str, plugin_manager: SkyrlPluginManager | None = None) -> None:
     """Create ``path`` with its model source when it does not exist yet (no-op otherwise)."""
     full = os.path.abspath(os.path.expanduser(path))
     if os.path.isdir(full):

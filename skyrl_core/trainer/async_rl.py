@@ -22,11 +22,18 @@ import collections
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
 from skyrl_core.rollout import Trajectory, TrainingSample, request_seed, training_samples
+
+if TYPE_CHECKING:
+    from skyrl_core.config.schema import Config
+    from skyrl_core.interfaces import InferenceEngine
+    from skyrl_core.plugins.manager import SkyrlPluginManager
+    from skyrl_core.rollout import RolloutGenerator, Sampling
+    from skyrl_core.trainer.sampler import PromptSampler
 
 # (step) -> (trajectories, training samples, metrics): one step's rollouts, as the sync loop collects them
 CollectStep = Callable[[int], "tuple[list[Trajectory], list[TrainingSample], dict[str, float]]"]
@@ -45,7 +52,8 @@ def staleness_metrics(samples: list[TrainingSample], trained_version: int) -> di
     }
 
 
-def load_policy(engine: Any, generator: Any, weights: Iterator[tuple[str, torch.Tensor]], version: int) -> None:
+def load_policy(engine: InferenceEngine, generator: RolloutGenerator, weights: Iterator[tuple[str, torch.Tensor]],
+                version: int) -> None:
     """Give the engine policy ``version``; its tokens from now on carry that version (stamped by the
     engine when it can take weights mid-generation, else by the rollout generator)."""
     if getattr(engine, "supports_pause", False):
@@ -58,7 +66,8 @@ def load_policy(engine: Any, generator: Any, weights: Iterator[tuple[str, torch.
 class SyncRollouts:
     """``trainer.mode: sync``: generate when asked, sync weights when told."""
 
-    def __init__(self, collect_step: CollectStep, engine: Any, generator: Any, sampler: Any) -> None:
+    def __init__(self, collect_step: CollectStep, engine: InferenceEngine, generator: RolloutGenerator,
+                 sampler: PromptSampler) -> None:
         self.collect_step, self.engine, self.generator, self.sampler = collect_step, engine, generator, sampler
 
     def collect(self, step: int) -> tuple[list[Trajectory], list[TrainingSample], dict[str, float]]:
@@ -78,7 +87,8 @@ class SyncRollouts:
 class OneStepOffRollouts(SyncRollouts):
     """``trainer.mode: one_step_off``: step k+1's rollouts are generated while step k trains."""
 
-    def __init__(self, collect_step: CollectStep, engine: Any, generator: Any, sampler: Any, *, last_step: int) -> None:
+    def __init__(self, collect_step: CollectStep, engine: InferenceEngine, generator: RolloutGenerator,
+                 sampler: PromptSampler, *, last_step: int) -> None:
         super().__init__(collect_step, engine, generator, sampler)
         self.last_step = last_step
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skyrl-rollouts")
@@ -131,7 +141,8 @@ class FullyAsyncRollouts(SyncRollouts):
     """``trainer.mode: fully_async``: a pool of generation workers and a buffer of completed groups."""
 
     def __init__(
-        self, engine: Any, generator: Any, sampler: Any, sampling: Any, *, seed: int, stepwise: bool,
+        self, engine: InferenceEngine, generator: RolloutGenerator, sampler: PromptSampler, sampling: Sampling, *,
+        seed: int, stepwise: bool,
         prompts_per_step: int, max_inflight: int, max_staleness: int, on_stale: str,
     ) -> None:
         super().__init__(lambda step: ([], [], {}), engine, generator, sampler)
@@ -235,8 +246,8 @@ class FullyAsyncRollouts(SyncRollouts):
             t.join()
 
 
-def make_rollout_source(cfg: Any, *, collect_step: CollectStep, engine: Any, generator: Any, sampler: Any,
-                        sampling: Any) -> SyncRollouts:
+def make_rollout_source(cfg: Config, *, collect_step: CollectStep, engine: InferenceEngine,
+                        generator: RolloutGenerator, sampler: PromptSampler, sampling: Sampling) -> SyncRollouts:
     """The ``RolloutSource`` of ``cfg.trainer.mode`` (``close()`` it when the run ends)."""
     mode = cfg.trainer.mode
     if mode == "sync":
@@ -251,7 +262,7 @@ def make_rollout_source(cfg: Any, *, collect_step: CollectStep, engine: Any, gen
     )
 
 
-def check_mode(cfg: Any, plugin_manager: Any) -> None:
+def check_mode(cfg: Config, plugin_manager: SkyrlPluginManager) -> None:
     """Refuse, before anything is built, a mode this run's parts cannot do as asked."""
     mode = cfg.trainer.mode
     if mode == "sync":

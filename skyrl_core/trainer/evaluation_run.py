@@ -17,11 +17,14 @@ import contextlib
 import json
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import attrs
 
 from skyrl_core.config.schema import Config
+
+if TYPE_CHECKING:
+    from skyrl_core.plugins.manager import SkyrlPluginManager
 
 
 @attrs.frozen
@@ -40,7 +43,7 @@ class EvalReport:
 
 
 def run_evaluation(cfg: Config, *, checkpoint: str | None = None, output: str | None = None,
-                   plugin_manager: Any = None) -> EvalReport:
+                   plugin_manager: SkyrlPluginManager | None = None) -> EvalReport:
     """Evaluate ``cfg``'s model, or the checkpoint ``checkpoint`` (a checkpoint directory or a run
     directory, whose latest checkpoint is taken) on ``data.eval``; write and return the report."""
     from skyrl_core.models import load_tokenizer

@@ -14,12 +14,16 @@ second, not a model load.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from skyrl_core.config.errors import ConfigError, ConfigIssue, show, suggest
 from skyrl_core.data import SUFFIXES, DatasetError, load_dataset
+
+if TYPE_CHECKING:
+    from skyrl_core.config.schema import Config
+    from skyrl_core.plugins.manager import SkyrlPluginManager
 
 # What a run writes into its directory; ``trainer.overwrite`` deletes exactly these.
 RUN_FILES = ("config.yaml", "metrics.jsonl", "metrics.png", "checkpoints")
@@ -35,7 +39,7 @@ class RunInputs:
     resume_from: str | None  # the checkpoint directory ``trainer.resume`` resolves to
 
 
-def check_run_inputs(cfg: Any, *, plugin_manager: Any = None) -> RunInputs:
+def check_run_inputs(cfg: Config, *, plugin_manager: SkyrlPluginManager | None = None) -> RunInputs:
     """The parsed datasets and resolved checkpoint of ``cfg``; raises ``ConfigError`` listing every
     problem. A missing ``model.path`` that a registered model source makes on first use (the demo
     model) passes when what the source needs is installed."""
@@ -69,7 +73,7 @@ def check_run_inputs(cfg: Any, *, plugin_manager: Any = None) -> RunInputs:
     return RunInputs(train_rows=train_rows, eval_rows=eval_rows, resume_from=resume_from)
 
 
-def check_run_location(issues: list[ConfigIssue], cfg: Any, plugin_manager: Any) -> str | None:
+def check_run_location(issues: list[ConfigIssue], cfg: Config, plugin_manager: SkyrlPluginManager) -> str | None:
     """The checks every trainer shares (RL, SFT): ``trainer.resume`` is a checkpoint of this
     format, ``trainer.output_dir`` can hold this run, the selected components can run here.
     Appends to ``issues``; returns the checkpoint directory to resume from (or None)."""
@@ -125,7 +129,7 @@ def _check_rows_follow_environment(issues: list[ConfigIssue], key: str, rows: li
                                        "data.env_class_from_rows=true to run each row in the environment it names"))
 
 
-def _check_model(issues: list[ConfigIssue], cfg: Any, plugin_manager: Any = None) -> None:
+def _check_model(issues: list[ConfigIssue], cfg: Config, plugin_manager: SkyrlPluginManager | None = None) -> None:
     from skyrl_core.model_sources import missing_distributions, source_for
 
     path = cfg.model.path
@@ -146,7 +150,7 @@ def _check_model(issues: list[ConfigIssue], cfg: Any, plugin_manager: Any = None
         issues.append(ConfigIssue("model.tokenizer", f"{tokenizer!r} is not a directory"))
 
 
-def _check_output_dir(issues: list[ConfigIssue], cfg: Any, resume_from: str | None) -> None:
+def _check_output_dir(issues: list[ConfigIssue], cfg: Config, resume_from: str | None) -> None:
     given = cfg.trainer.output_dir
     out = os.path.abspath(os.path.expanduser(given))
     existing = out
@@ -178,7 +182,7 @@ def _can_create_in(directory: str) -> bool:
         return False
 
 
-def _check_components(issues: list[ConfigIssue], cfg: Any, pm: Any) -> None:
+def _check_components(issues: list[ConfigIssue], cfg: Config, pm: SkyrlPluginManager) -> None:
     """Each selected component's package requirements are installed, and its own check passes."""
     from skyrl_core.config.loader import SELECTIONS
     from skyrl_core.plugins.installation import install_command
@@ -206,7 +210,7 @@ def _check_components(issues: list[ConfigIssue], cfg: Any, pm: Any) -> None:
             issues.append(ConfigIssue(f"{dotted}.name", f"{show(selection.name)}: {problem}"))
 
 
-def prepare_output_dir(cfg: Any, resume_from: str | None) -> str:
+def prepare_output_dir(cfg: Config, resume_from: str | None) -> str:
     """Create the run directory; with ``trainer.overwrite`` delete the previous run's files; in
     every case remove what an interrupted checkpoint left. Returns its absolute path."""
     import shutil

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import attrs
 import torch
@@ -30,6 +30,10 @@ from skyrl_core.config.errors import ConfigError, ConfigIssue
 from skyrl_core.data import DatasetError
 from skyrl_core.data_chat import ChatSample, load_chat_dataset, render_chat
 from skyrl_core.types import TrainingBatch
+
+if TYPE_CHECKING:
+    from skyrl_core.config.schema import Config
+    from skyrl_core.plugins.manager import SkyrlPluginManager
 
 HF_DIR = "hf"
 
@@ -119,7 +123,7 @@ class SFTInputs:
     resume_from: str | None
 
 
-def check_sft_inputs(cfg: Any, *, plugin_manager: Any) -> SFTInputs:
+def check_sft_inputs(cfg: Config, *, plugin_manager: SkyrlPluginManager) -> SFTInputs:
     """Datasets parsed and rendered (every conversation within ``sft.max_length``), model, resume
     checkpoint, output directory, components: every problem at once, as a ``ConfigError``."""
     from skyrl_core.models import load_tokenizer
@@ -162,7 +166,7 @@ def check_sft_inputs(cfg: Any, *, plugin_manager: Any) -> SFTInputs:
 # --- the loop --------------------------------------------------------------------------------------
 
 
-def sft(cfg: Any, *, plugin_manager: Any = None) -> SFTResult:
+def sft(cfg: Config, *, plugin_manager: SkyrlPluginManager | None = None) -> SFTResult:
     """Run supervised fine-tuning as ``cfg`` says; return the metrics history and the exported directory."""
     from skyrl_core.algorithms.policy_losses import make_cross_entropy
     from skyrl_core.config.loader import unstructure
