@@ -1,12 +1,12 @@
 """An inference engine in its own process (a Ray actor), and the trainer-side handle to it.
 
-``RemoteEngine`` speaks the ``InferenceEngine`` calls (``generate``, ``pause``, ``resume``) to an
-``EngineActor`` and syncs weights into it by ``broadcast`` (a gloo pair, ``skyrl_core.weight_sync``)
-or through a ``checkpoint`` directory. A dead engine process is reported at once, naming it
-(``EngineProcessError``), instead of a hang or a bare Ray error.
-
-Not wired into the RL loop yet: ``engine.placement: separate`` is not a config value (see
-docs/training.md); this is the engine-process building block and its weight-sync paths.
+``RemoteEngine`` speaks the ``InferenceEngine`` calls (``generate``, ``pause``, ``resume``,
+``update_weights``, ...) to an ``EngineActor`` and syncs weights into it by ``broadcast`` (a gloo
+pair, ``skyrl_core.weight_sync``) or through a ``checkpoint`` directory. A dead engine process is
+reported at once, naming it (``EngineProcessError``), instead of a hang or a bare Ray error; with
+``restart_on_failure`` a new process is started instead, given the last weights, and the call that
+failed is made again. ``engine.placement: separate`` runs the run's engines this way
+(``skyrl_core.engine_router``).
 """
 
 from __future__ import annotations
@@ -37,6 +37,22 @@ class EngineActor:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def describe(self) -> dict[str, Any]:
+        """What the trainer's handle needs to know: process, node, whether it pauses."""
+        import ray
+
+        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
+                "supports_pause": bool(getattr(self.engine, "supports_pause", False))}
+
+    def execution_contract(self) -> dict[str, Any]:
+        return self.engine.execution_contract()
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake(self) -> None:
+        self.engine.wake()
 
     def generate(self, requests: Sequence[Any]) -> list[list[Any]]:
         return self.engine.generate(requests)
@@ -72,22 +88,39 @@ class EngineActor:
 
 
 class RemoteEngine:
-    """The trainer's handle to an ``EngineActor`` (``name`` appears in every error about it)."""
+    """The trainer's handle to an ``EngineActor`` (``name`` appears in every error about it).
+
+    ``actor_options``: Ray options of the actor (a placement-group scheduling strategy).
+    ``method``: how ``update_weights`` moves weights, ``broadcast`` or ``checkpoint``."""
 
     def __init__(self, engine: Any, model: Any, *, seed: int, name: str = "engine-0",
-                 resources: dict[str, float] | None = None, checkpoint_dir: str | None = None) -> None:
+                 resources: dict[str, float] | None = None, checkpoint_dir: str | None = None,
+                 actor_options: dict[str, Any] | None = None, method: str = "broadcast",
+                 restart_on_failure: bool = False) -> None:
+        if method not in ("broadcast", "checkpoint"):
+            raise ValueError(f"weight sync method {method!r}: allowed are broadcast, checkpoint")
+        self.name = name
+        self.checkpoint_dir = checkpoint_dir
+        self.method = method
+        self.restart_on_failure = restart_on_failure
+        self.restarts = 0
+        self._spec = (engine, model, seed, dict(resources or {}), dict(actor_options or {}))
+        self._last: tuple[list[Any], int | None] | None = None  # the weights to give a restarted process
+        self._version = 0
+        self._start()
+
+    def _start(self) -> None:
         import ray
 
         from skyrl_core.local_ray import skyrl_environment
 
-        self.name = name
-        self.checkpoint_dir = checkpoint_dir
-        self.supports_pause = True
-        actor_class = ray.remote(num_cpus=0, max_concurrency=16, resources=resources or {})(EngineActor)
-        self.actor = actor_class.remote(engine, model, seed, skyrl_environment())
-        self.pid = self._call("pid")
+        engine, model, seed, resources, actor_options = self._spec
+        actor_class = ray.remote(num_cpus=0, max_concurrency=16, resources=resources)(EngineActor)
+        self.actor = actor_class.options(**actor_options).remote(engine, model, seed, skyrl_environment())
         self._group = None
-        self._version = 0
+        self.pid = None
+        info = self._wait(self.actor.describe.remote(), "start")
+        self.pid, self.node_id, self.supports_pause = info["pid"], info["node_id"], info["supports_pause"]
 
     # -- InferenceEngine calls -------------------------------------------------------------------
 
@@ -100,8 +133,18 @@ class RemoteEngine:
     def resume(self) -> None:
         self._call("resume")
 
-    def update_weights(self, named_tensors: Iterable[Any], version: int | None = None, *, method: str = "broadcast") -> float:
-        """Send the weights by ``broadcast`` or ``checkpoint``; returns the seconds it took."""
+    def execution_contract(self) -> dict[str, Any]:
+        return self._call("execution_contract")
+
+    def sleep(self) -> None:
+        self._call("sleep")
+
+    def wake(self) -> None:
+        self._call("wake")
+
+    def update_weights(self, named_tensors: Iterable[Any], version: int | None = None, *, method: str | None = None) -> float:
+        """Send the weights by ``method`` (default: this engine's); returns the seconds it took."""
+        method = method or self.method
         started = time.perf_counter()
         tensors = [(n, t.detach().to("cpu").clone()) for n, t in named_tensors]
         if method == "checkpoint":
@@ -109,15 +152,31 @@ class RemoteEngine:
                 raise ValueError(f"{self.name}: weight sync by checkpoint needs a checkpoint directory")
             self._version = self._version + 1 if version is None else version
             path = weight_sync.write_checkpoint(self.checkpoint_dir, tensors, self._version)
-            self._call("update_from_checkpoint", path, version)
+            self.load_checkpoint(path, version)
         elif method == "broadcast":
-            group = self._broadcast_group()
-            pending = self.actor.update_from_broadcast.remote(weight_sync.manifest_of(tensors), version)
-            weight_sync.send_by_broadcast(group, tensors)
-            self._wait(pending, "update_from_broadcast")
+            self.receive_broadcast(tensors, version)
         else:
             raise ValueError(f"weight sync method {method!r}: allowed are broadcast, checkpoint")
+        self.remember(tensors, version)
         return time.perf_counter() - started
+
+    def load_checkpoint(self, path: str, version: int | None) -> None:
+        """Load a weights file the trainer wrote (shared by every replica of a router)."""
+        self._call("update_from_checkpoint", path, version)
+
+    def receive_broadcast(self, tensors: list[Any], version: int | None) -> None:
+        """Broadcast ``tensors`` from this process (rank 0 of the pair) into the engine's."""
+        self._retrying("update_from_broadcast", lambda: self._send_broadcast(tensors, version))
+
+    def _send_broadcast(self, tensors: list[Any], version: int | None) -> None:
+        group = self._broadcast_group()
+        pending = self.actor.update_from_broadcast.remote(weight_sync.manifest_of(tensors), version)
+        weight_sync.send_by_broadcast(group, tensors)
+        self._wait(pending, "update_from_broadcast")
+
+    def remember(self, tensors: list[Any], version: int | None) -> None:
+        if self.restart_on_failure:
+            self._last = (tensors, version)
 
     def weights_digest(self) -> str:
         return self._call("weights_digest")
@@ -143,7 +202,29 @@ class RemoteEngine:
         return self._group
 
     def _call(self, method: str, *args: Any) -> Any:
-        return self._wait(getattr(self.actor, method).remote(*args), method)
+        return self._retrying(method, lambda: self._wait(getattr(self.actor, method).remote(*args), method))
+
+    def _retrying(self, method: str, call: Any) -> Any:
+        """``call()``; if the process died and ``restart_on_failure``: restart it and call once more."""
+        try:
+            return call()
+        except EngineProcessError:
+            if not self.restart_on_failure:
+                raise
+            self.restart(f"died during {method}")
+            return call()
+
+    def restart(self, why: str) -> None:
+        """A new engine process in place of the dead one, holding the last weights sent."""
+        import warnings
+
+        old_pid = self.pid
+        self.close()
+        self._start()
+        self.restarts += 1
+        warnings.warn(f"engine process {self.name!r} (pid {old_pid}) {why}; restarted as pid {self.pid}", stacklevel=2)
+        if self._last is not None:
+            self._send_broadcast(*self._last)
 
     def _wait(self, ref: Any, method: str) -> Any:
         import ray
@@ -152,8 +233,7 @@ class RemoteEngine:
         try:
             return ray.get(ref)
         except (RayActorError, ActorDiedError, ActorUnavailableError) as exc:
-            pid = getattr(self, "pid", None)
             raise EngineProcessError(
-                f"engine process {self.name!r} (pid {pid}) died or is unreachable during {method}: "
+                f"engine process {self.name!r} (pid {self.pid}) died or is unreachable during {method}: "
                 f"{type(exc).__name__}"
             ) from exc

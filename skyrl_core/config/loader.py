@@ -20,7 +20,7 @@ import cattrs
 import yaml
 
 from skyrl_core.config.errors import ConfigError, ConfigIssue, show, suggest
-from skyrl_core.config.schema import Config, Selection
+from skyrl_core.config.schema import Config, EngineConfig, Selection
 
 # Which registry kind each selectable section chooses from.
 SELECTIONS: dict[str, str] = {
@@ -184,7 +184,7 @@ class _Walker:
     def selection(self, kind: str, data: Any, path: str) -> Selection | None:
         if isinstance(data, str):  # shorthand: `engine: vllm`
             data = {"name": data}
-        sel = self.attrs_class(Selection, data, path)
+        sel = self.attrs_class(EngineConfig if path == "engine" else Selection, data, path)
         if sel is None:
             return None
         if self.pm is None:
@@ -205,7 +205,7 @@ class _Walker:
                       tuple(exc.allowed), suggest(sel.name, exc.allowed))
             return None
         options = self.options(spec, sel.options, _join(path, "options"))
-        return None if options is _INVALID else Selection(name=sel.name, options=options)
+        return None if options is _INVALID else attrs.evolve(sel, options=options)
 
     def options(self, spec: Any, data: Any, path: str) -> Any:
         try:

@@ -44,6 +44,53 @@ class Selection:
     options: Any = attrs.field(factory=dict, metadata=_help("options of the selected component"))
 
 
+def _token_resources(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not value or any(not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0
+                        for k, v in value.items()):
+        raise ValueError("expected a non-empty mapping of Ray resource names to amounts > 0")
+
+
+@attrs.frozen(kw_only=True)
+class EngineConfig(Selection):
+    """The inference engine: which one (``name``, ``options``) and where it runs (docs/training.md)."""
+
+    placement: str = attrs.field(
+        default="colocated", validator=_one_of("colocated", "separate"),
+        metadata=_help("colocated: the engine runs in the trainer's process; separate: each replica is a Ray "
+                       "actor process of its own, so generation overlaps training"),
+    )
+    replicas: int = attrs.field(
+        default=1, validator=_positive,
+        metadata=_help("engine processes (placement=separate); a router sends each request to the least-loaded "
+                       "one and keeps a multi-turn episode on its replica"),
+    )
+    weight_sync: str = attrs.field(
+        default="auto", validator=_one_of("auto", "broadcast", "checkpoint"),
+        metadata=_help("how new weights reach separate engines: broadcast (torch.distributed over gloo from the "
+                       "trainer), checkpoint (safetensors written to a directory, then loaded); auto: in-process "
+                       "tensors when colocated, broadcast when separate"),
+    )
+    restart_on_failure: bool = attrs.field(
+        default=False,
+        metadata=_help("placement=separate: a dead engine process is restarted with the current weights and its "
+                       "requests retried (false: the run stops with an error naming it)"),
+    )
+    ray_placement: str = attrs.field(
+        default="colocate", validator=_one_of("colocate", "disaggregate"),
+        metadata=_help("placement=separate, Ray placement groups: colocate puts trainer ranks and engine replicas "
+                       "on one node; disaggregate puts the trainer ranks on one node and the engine replicas on another (the trainer must run Ray rank actors: backend world_size >= 2)"),
+    )
+    trainer_bundle: dict[str, float] = attrs.field(
+        factory=lambda: {"CPU": 0.01}, validator=_token_resources,
+        metadata=_help("Ray resources the trainer ranks' bundle reserves (a custom resource pins it to the nodes "
+                       "that have it)"),
+    )
+    engine_bundle: dict[str, float] = attrs.field(
+        factory=lambda: {"CPU": 0.01}, validator=_token_resources,
+        metadata=_help("Ray resources each engine replica's bundle reserves"),
+    )
+
+
 @attrs.frozen(kw_only=True)
 class ModelConfig:
     """Where the policy comes from: a local directory, or a Hugging Face config to build randomly."""
@@ -345,7 +392,7 @@ class Config:
     """A whole run."""
 
     model: ModelConfig = attrs.field(metadata=_help("the policy model"))
-    engine: Selection = attrs.field(factory=lambda: Selection(name="torch"), metadata=_help("inference engine"))
+    engine: EngineConfig = attrs.field(factory=lambda: EngineConfig(name="torch"), metadata=_help("inference engine"))
     backend: Selection = attrs.field(factory=lambda: Selection(name="fsdp"), metadata=_help("training backend"))
     environment: Selection = attrs.field(factory=lambda: Selection(name="arithmetic"), metadata=_help("the environment of every row (see data.env_class_from_rows)"))
     algorithm: AlgorithmConfig = attrs.field(factory=AlgorithmConfig, metadata=_help("RL algorithm"))

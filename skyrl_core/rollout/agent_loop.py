@@ -147,7 +147,7 @@ class RolloutGenerator:
             for g, episodes in enumerate(groups):
                 if turn == 0:  # the n episodes of a row share their prompt: one request, n samples
                     params = self._params(sampling, n=n, seed=request_seed(seed, g, turn), budget=self.max_response_tokens)
-                    requests.append(GenerationRequest(request_id=f"{g}", prompt_token_ids=episodes[0].context_ids, sampling=params))
+                    requests.append(GenerationRequest(request_id=f"{group_prefix}{g}", prompt_token_ids=episodes[0].context_ids, sampling=params))
                     owners.append(episodes)
                     continue
                 for s, ep in enumerate(episodes):
@@ -155,7 +155,7 @@ class RolloutGenerator:
                         continue
                     budget = self._budget(ep)
                     params = self._params(sampling, n=1, seed=request_seed(seed, g, s, turn), budget=budget)
-                    requests.append(GenerationRequest(request_id=f"{g}/{s}", prompt_token_ids=ep.context_ids, sampling=params))
+                    requests.append(GenerationRequest(request_id=f"{group_prefix}{g}/{s}", prompt_token_ids=ep.context_ids, sampling=params))
                     owners.append([ep])
             if not requests:
                 break

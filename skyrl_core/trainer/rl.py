@@ -60,7 +60,9 @@ from skyrl_core.trainer.divergence import NonFiniteTrainingError, check_finite, 
 from skyrl_core.trainer.preflight import check_run_inputs, prepare_output_dir
 from skyrl_core.trainer.progress import Progress
 from skyrl_core.trainer.reference import ReferencePolicy
-from skyrl_core.trainer.runtime import build_backend, build_engine, build_selected, handshake, resolve_model
+from skyrl_core.trainer.runtime import (build_backend, build_engine, build_selected, check_engine_placement, handshake,
+                                       resolve_model)
+from skyrl_core.ray_placement import start_placement
 from skyrl_core.trainer.sampler import PromptSampler
 from skyrl_core.types import TrainingBatch
 
@@ -83,6 +85,7 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
     if teacher_problems(cfg):
         raise ConfigError([ConfigIssue("algorithm.distillation.teacher", p) for p in teacher_problems(cfg)])
     check_mode(cfg, pm)  # a mode this run's parts cannot do as asked
+    check_engine_placement(cfg)  # engine keys that would not do what they say
     if tc.memory_check:  # a step the kernel would kill mid-run is refused now, naming what lowers it
         check_step_memory(cfg)
     _seed_everything(tc.seed)
@@ -116,8 +119,16 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
         closing.push(activity.on_exit)
         # Plugins adopt the run's config first: IsoExec must be on before runtimes install their ops.
         pm.hook.skyrl_on_run_start(config=cfg, run_dir=run_dir)
+        # engine.placement=separate: a Ray placement group for the trainer ranks and the engine processes
+        placement = start_placement(cfg.engine)
+        if placement is not None:
+            closing.callback(placement.close)
         backend = closing.enter_context(contextlib.closing(build_backend(pm, cfg, model)))
-        engine = closing.enter_context(contextlib.closing(build_engine(pm, cfg, model)))
+        if placement is not None and placement.strategy == "disaggregate" and not placement.trainer_placed:
+            raise RuntimeError(f"engine.ray_placement='disaggregate': backend {cfg.backend.name!r} started no Ray rank "
+                               "actors to place on the trainer's node; use ray_placement=colocate")
+        engine = closing.enter_context(contextlib.closing(build_engine(pm, cfg, model, placement=placement,
+                                                                       run_dir=run_dir)))
         critic = Critic(cfg, model) if cfg.algorithm.critic.enabled else None
         if distill.teacher is not None:  # the teacher replaces the reference (a KL term then pulls to it)
             teacher = attrs.evolve(model, path=os.path.abspath(os.path.expanduser(distill.teacher)), config=None,
@@ -190,6 +201,8 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
             trajectories, samples, sampling_metrics = rollouts.collect(step)
             timings["time/rollout"] = time.perf_counter() - started
             metrics: dict[str, Any] = {"step": step, **_rollout_metrics(trajectories), **sampling_metrics}
+            if hasattr(engine, "restarts"):  # separate engine processes restarted after a failure, so far
+                metrics["engine/restarts"] = float(engine.restarts)
 
             if samples:
                 batch = build_training_batch(samples, codec.pad_token_id)

@@ -39,8 +39,44 @@ def build_selected(plugin_manager: Any, kind: str, selection: Selection, *args: 
     return spec.load_factory()(*args, options, **kwargs)
 
 
-def build_engine(plugin_manager: Any, cfg: Config, model: ModelConfig) -> Any:
+def build_engine(plugin_manager: Any, cfg: Config, model: ModelConfig, *, placement: Any = None,
+                 run_dir: str | None = None) -> Any:
+    """The run's engine: in this process (``engine.placement: colocated``), or ``engine.replicas``
+    Ray actor processes behind a router, placed by ``placement`` (``separate``)."""
+    if cfg.engine.placement == "separate":
+        from skyrl_core.engine_router import start_separate_engines
+
+        return start_separate_engines(cfg, model, placement=placement, run_dir=run_dir)
     return build_selected(plugin_manager, "inference_engine", cfg.engine, model, seed=cfg.trainer.seed)
+
+
+def check_engine_placement(cfg: Config) -> None:
+    """Refuse, before any work, ``engine`` keys that would not do what they say (docs/config.md)."""
+    from skyrl_core.config.errors import ConfigError, ConfigIssue
+    from skyrl_core.config.schema import EngineConfig
+
+    ec, defaults = cfg.engine, EngineConfig(name=cfg.engine.name)
+    issues = []
+    if ec.placement == "colocated":
+        for key in ("replicas", "weight_sync", "restart_on_failure", "ray_placement", "trainer_bundle", "engine_bundle"):
+            if getattr(ec, key) != getattr(defaults, key):
+                issues.append(ConfigIssue(
+                    f"engine.{key}", f"{getattr(ec, key)!r} needs engine.placement=separate (the colocated engine "
+                    f"runs in the trainer's process: one replica, in-process weights, placed with the trainer)",
+                    allowed=(repr(getattr(defaults, key)),)))
+    elif ec.name != "torch":
+        issues.append(ConfigIssue(
+            "engine.placement", f"'separate' (engines as Ray actor processes) is built for engine 'torch'; "
+            f"engine {ec.name!r} runs colocated", allowed=("colocated",)))
+    elif ec.ray_placement == "disaggregate":
+        world_size = getattr(cfg.backend.options, "world_size", 1)
+        if world_size < 2:
+            issues.append(ConfigIssue(
+                "engine.ray_placement", f"'disaggregate' places the trainer's Ray rank actors on their own node; "
+                f"backend {cfg.backend.name!r} with world_size={world_size} trains in this process, which Ray does not "
+                "place: use backend.options.world_size >= 2, or ray_placement=colocate", allowed=("colocate",)))
+    if issues:
+        raise ConfigError(issues)
 
 
 def build_backend(plugin_manager: Any, cfg: Config, model: ModelConfig) -> Any:

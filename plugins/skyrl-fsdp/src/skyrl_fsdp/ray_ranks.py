@@ -19,11 +19,13 @@ import ray  # noqa: E402
 from skyrl_core.backends import ray_actors  # noqa: E402
 from skyrl_core.backends.ray_actors import free_port, kill  # noqa: E402
 from skyrl_core.local_ray import adopt_skyrl_environment, ensure_local_ray, skyrl_environment  # noqa: E402
+from skyrl_core.ray_placement import trainer_actor_options  # noqa: E402
 
 READY_TIMEOUT_S = 300
 
 # Idle hosts per (Ray node id of this session, uses a GPU): a new Ray session never sees old ones.
 _idle_hosts: dict[tuple[str, bool], list[Any]] = {}
+_placed_hosts: set[str] = set()  # actor ids of hosts placed in a run's placement group
 
 
 def ensure_ray(num_cpus: int) -> None:
@@ -68,11 +70,15 @@ def start_ranks(model: Any, options: Any, trainer: Any, *, seed: int, use_gpu: b
     ensure_ray(world_size)
     if options.threads_per_rank is None:  # share this machine's cores between the ranks
         options = attrs.evolve(options, threads_per_rank=max(1, (os.cpu_count() or 1) // world_size))
-    idle = _idle_hosts.setdefault(_pool_key(use_gpu), []) if options.reuse_workers else []
+    # engine.placement=separate: the run's placement group says where the ranks go (fresh hosts there)
+    placed = trainer_actor_options()
+    idle = _idle_hosts.setdefault(_pool_key(use_gpu), []) if options.reuse_workers and placed is None else []
     # Hosts reserve no logical CPU: a run holds several backends at once (policy, reference) and
     # threads_per_rank, not Ray's bookkeeping, decides how many cores a rank uses.
-    host_class = _RemoteRankHost.options(num_gpus=1 if use_gpu else 0)
+    host_class = _RemoteRankHost.options(num_gpus=1 if use_gpu else 0, **(placed or {}))
     hosts = [idle.pop() if idle else host_class.remote() for _ in range(world_size)]
+    if placed is not None:  # they go with their placement group: never reused after it
+        _placed_hosts.update(host._actor_id.hex() for host in hosts)
     init_method = f"tcp://127.0.0.1:{free_port()}"
     try:
         gather(
@@ -90,7 +96,7 @@ def start_ranks(model: Any, options: Any, trainer: Any, *, seed: int, use_gpu: b
 
 def stop_ranks(hosts: Sequence[Any], *, reuse: bool, use_gpu: bool) -> None:
     """Stop the ranks; keep the hosts for reuse in this Ray session, or kill them."""
-    if reuse and ray.is_initialized():
+    if reuse and ray.is_initialized() and not any(host._actor_id.hex() in _placed_hosts for host in hosts):
         try:
             gather([host.stop.remote() for host in hosts], timeout=60)
         except Exception:
