@@ -89,12 +89,3 @@ def test_greedy_requests_sample_once_and_repeat_it():
     samples = samples_from_response(greedy, {"choices": [_choice(0, [4, 2], [-0.25, -2.0])]})
     assert [s.sample_index for s in samples] == [0, 1, 2]
     assert all(s.token_ids == (4, 2) and s.logprobs == (-0.25, -2.0) for s in samples)
-
-
-def test_bad_prompts_are_refused_naming_the_request():
-    from skyrl_vllm.mapping import check_request
-
-    with pytest.raises(ValueError, match="request 'e' has an empty prompt"):
-        check_request(GenerationRequest(request_id="e", prompt_token_ids=()))
-    with pytest.raises(ValueError, match=r"request 'k': prompt_token_ids must be integers, got \['input_ids'"):
-        check_request(GenerationRequest(request_id="k", prompt_token_ids={"input_ids": [1], "attention_mask": [1]}))

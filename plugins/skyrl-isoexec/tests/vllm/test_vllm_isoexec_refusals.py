@@ -26,7 +26,7 @@ BAD = {
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
-    from skyrl_vllm.model_dir import materialize_model
+    from skyrl_core.engines.model_dir import materialize_model
 
     root = str(tmp_path_factory.mktemp("models"))
     qwen3 = materialize_model(ModelConfig(config=preset("qwen3")), parent_dir=root)

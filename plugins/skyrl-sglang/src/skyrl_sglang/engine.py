@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from skyrl_core.engine_pause import PauseNotSupported
+from skyrl_core.engines.lifecycle import environ, running, temporary_workdir
+from skyrl_core.engines.requests import check_request
 from skyrl_sglang import bootstrap
 from skyrl_sglang.mapping import flatten, gather
 from skyrl_sglang.options import SGLangOptions
-from skyrl_vllm.lifecycle import environ, running, temporary_workdir
 
 if TYPE_CHECKING:
     import torch
@@ -69,7 +70,7 @@ class SGLangEngine(PauseNotSupported):
         import sglang
 
         from skyrl_core.ops import prepare_model
-        from skyrl_vllm.model_dir import checkpoint_shapes, materialize_model
+        from skyrl_core.engines.model_dir import checkpoint_shapes, materialize_model
 
         self.sglang_version = sglang.__version__
         model_dir, tokenizer_dir = materialize_model(model, seed=self.seed, parent_dir=self._workdir)
@@ -108,8 +109,6 @@ class SGLangEngine(PauseNotSupported):
         engine = self._running()
         if not requests:
             return []
-        from skyrl_vllm.mapping import check_request
-
         for request in requests:
             check_request(request)
         input_ids, params, owners = flatten(requests)
@@ -120,7 +119,7 @@ class SGLangEngine(PauseNotSupported):
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load the trainer's weights (HF names) in place and flush SGLang's prefix (radix) cache."""
-        from skyrl_vllm.model_dir import checked_weights
+        from skyrl_core.engines.model_dir import checked_weights
 
         engine = self._running()
         tensors = checked_weights(named_tensors, self._weight_shapes)  # a bad name inside SGLang's scheduler is fatal

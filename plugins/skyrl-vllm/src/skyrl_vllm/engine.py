@@ -9,10 +9,11 @@ import os
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from skyrl_core.engine_pause import PauseNotSupported
+from skyrl_core.engines.lifecycle import environ, running, temporary_workdir
+from skyrl_core.engines.model_dir import checked_weights, checkpoint_shapes, materialize_model, write_weights_file
+from skyrl_core.engines.requests import check_request
 from skyrl_vllm import bootstrap
-from skyrl_vllm.lifecycle import environ, running, temporary_workdir
-from skyrl_vllm.mapping import check_request, to_samples, to_vllm_sampling_params
-from skyrl_vllm.model_dir import checked_weights, checkpoint_shapes, materialize_model, write_weights_file
+from skyrl_vllm.mapping import to_samples, to_vllm_sampling_params
 from skyrl_vllm.options import VLLMOptions
 
 if TYPE_CHECKING:

@@ -17,16 +17,16 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
-import shutil
-import tempfile
 import weakref
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import attrs
 
 from skyrl_core.engine_pause import PauseNotSupported
+from skyrl_core.engines.lifecycle import temporary_workdir
+from skyrl_core.engines.requests import check_request
 from skyrl_core.types import GeneratedSample, GenerationRequest, SamplingParams
-from skyrl_vllm.mapping import check_request, is_greedy, stop_reason
+from skyrl_vllm.mapping import is_greedy, stop_reason
 from skyrl_vllm.options import OpenAIOptions
 
 if TYPE_CHECKING:
@@ -136,12 +136,11 @@ class OpenAIEngine(PauseNotSupported):
     def _launch(self, model: ModelConfig) -> None:
         from vllm.platforms import current_platform
 
-        from skyrl_vllm.model_dir import checkpoint_shapes, materialize_model
+        from skyrl_core.engines.model_dir import checkpoint_shapes, materialize_model
         from skyrl_vllm.vllm_server import SERVED_MODEL_NAME, VLLMServer, free_port, serve_command
 
         self.sleep_supported = bool(current_platform.is_sleep_mode_available())
-        self._workdir = tempfile.mkdtemp(prefix="skyrl-vllm-serve-")
-        self._remove_workdir = weakref.finalize(self, shutil.rmtree, self._workdir, True)
+        self._workdir, self._remove_workdir = temporary_workdir(self, "skyrl-vllm-serve-")
         model_dir, tokenizer_dir = materialize_model(model, seed=self.seed, parent_dir=self._workdir)
         self._weight_shapes = checkpoint_shapes(model_dir)
         vopts = self.options.vllm
@@ -180,7 +179,7 @@ class OpenAIEngine(PauseNotSupported):
                 f"the openai engine cannot update weights of the server at {self.root_url}: only a server it "
                 "launched itself (options.launch: true) accepts weights"
             )
-        from skyrl_vllm.model_dir import checked_weights, write_weights_file
+        from skyrl_core.engines.model_dir import checked_weights, write_weights_file
 
         named = checked_weights(named_tensors, self._weight_shapes, to_cpu=True)
         path = write_weights_file(named, self._workdir)

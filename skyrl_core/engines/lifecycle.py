@@ -1,6 +1,6 @@
-"""What the vllm and sglang engines (skyrl-sglang builds on skyrl-vllm) share around the inference
-library's handle: a temporary work directory, environment variables set while the library starts
-its processes, and the check that the handle is usable (not closed, not asleep) before each call.
+"""What engines share around their inference library's handle (vllm, openai, sglang): a temporary
+work directory, environment variables set while the library starts its processes, and the check
+that the handle is usable (not closed, not asleep) before each call.
 """
 
 from __future__ import annotations

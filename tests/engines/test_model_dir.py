@@ -1,4 +1,4 @@
-"""The HF directory written for vLLM: byte tokenizer equivalence, checkpoint shapes, weight checks."""
+"""The HF directory written for engines that load from disk: byte tokenizer equivalence, checkpoint shapes, weight checks."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from skyrl_core.byte_tokenizer import ByteTokenizer
 from skyrl_core.config.schema import ModelConfig
 from skyrl_core.testing.engine_contract import TINY_QWEN3, TINY_QWEN3_MOE
-from skyrl_vllm.model_dir import check_weights, checkpoint_shapes, materialize_model, write_byte_tokenizer
+from skyrl_core.engines.model_dir import check_weights, checkpoint_shapes, materialize_model, write_byte_tokenizer
 
 
 def test_byte_tokenizer_file_matches_skyrl_byte_tokenizer(tmp_path):

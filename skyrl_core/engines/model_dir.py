@@ -1,10 +1,10 @@
-"""A Hugging Face model directory that vLLM can load, for any ``ModelConfig``.
+"""A Hugging Face model directory that an inference library can load, for any ``ModelConfig``.
 
-vLLM loads models from disk only. A model given as a local directory is used as it is; a model
-given as a config (a tiny random test model) is written out once: random weights from
+vLLM and SGLang load models from disk only. A model given as a local directory is used as it is; a
+model given as a config (a tiny random test model) is written out once: random weights from
 ``skyrl_core.models.load_causal_lm`` (the same seed gives the same weights as the trainer) and, when
 it has no tokenizer directory, a ``tokenizers`` file equivalent to skyrl's ``ByteTokenizer`` so
-that vLLM can detokenise and match stop strings exactly as skyrl does.
+that the library detokenises and matches stop strings exactly as skyrl does.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def write_byte_tokenizer(directory: str, vocab_size: int) -> None:
 
 
 def materialize_model(model: ModelConfig, *, seed: int = 0, parent_dir: str | None = None) -> tuple[str, str | None]:
-    """Return ``(model_dir, tokenizer_dir)`` for vLLM.
+    """Return ``(model_dir, tokenizer_dir)`` for an engine that loads from disk.
 
     A ``model.path`` is returned unchanged (with ``model.tokenizer`` if set). A ``model.config`` is
     written to a new temporary directory under ``parent_dir`` (the caller removes it): safetensors
@@ -86,7 +86,7 @@ def materialize_model(model: ModelConfig, *, seed: int = 0, parent_dir: str | No
         return model.path, model.tokenizer
     from skyrl_core.models import load_causal_lm
 
-    directory = tempfile.mkdtemp(prefix="skyrl-vllm-model-", dir=parent_dir)
+    directory = tempfile.mkdtemp(prefix="skyrl-engine-model-", dir=parent_dir)
     lm = load_causal_lm(model, seed=seed)
     lm.save_pretrained(directory, safe_serialization=True)
     del lm
@@ -167,7 +167,7 @@ def checked_weights(
 def write_weights_file(named: list[tuple[str, object]], directory: str) -> str:
     """Write ``named`` CPU tensors to a new safetensors file in ``directory``; return its path.
 
-    This is how weights reach vLLM workers in other processes (tensors do not survive vLLM's RPC).
+    This is how weights reach engine workers in other processes (vLLM's RPC does not carry tensors).
     Tensors sharing storage (tied embeddings) are copied, since safetensors refuses shared storage.
     """
     from safetensors.torch import save_file
