@@ -18,7 +18,12 @@ LossFn = Callable[["torch.Tensor", "TrainingBatch"], "tuple[torch.Tensor, dict[s
 
 @runtime_checkable
 class InferenceEngine(Protocol):
-    """Generates samples from token ids. Built by an ``InferenceEngineSpec`` factory."""
+    """Generates samples from token ids. Built by an ``InferenceEngineSpec`` factory.
+
+    Optional class attributes say what the engine supports (absent: False): ``supports_pause``
+    (``pause``/``resume``, concurrent ``generate`` calls, ``update_weights(..., version=)``) and
+    ``supports_separate_process`` (built inside a Ray actor for ``engine.placement: separate``).
+    """
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[list[GeneratedSample]]:
         """One list of ``request.sampling.n`` samples per request, in request order.

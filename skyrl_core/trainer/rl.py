@@ -18,7 +18,7 @@ import math
 import os
 import random
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -66,6 +66,10 @@ from skyrl_core.ray_placement import start_placement
 from skyrl_core.trainer.sampler import PromptSampler
 from skyrl_core.types import TrainingBatch
 
+if TYPE_CHECKING:
+    from skyrl_core.interfaces import AdvantageEstimator
+    from skyrl_core.plugins.manager import SkyrlPluginManager
+
 
 @attrs.frozen
 class RunResult:
@@ -75,7 +79,7 @@ class RunResult:
     eval_after: dict[str, float]
 
 
-def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
+def train(cfg: Config, *, plugin_manager: SkyrlPluginManager | None = None) -> RunResult:
     """Run RL training as ``cfg`` says; return the metrics history."""
     pm = plugin_manager or get_plugin_manager()
     tc = cfg.trainer
@@ -85,7 +89,7 @@ def train(cfg: Config, *, plugin_manager: Any = None) -> RunResult:
     if teacher_problems(cfg):
         raise ConfigError([ConfigIssue("algorithm.distillation.teacher", p) for p in teacher_problems(cfg)])
     check_mode(cfg, pm)  # a mode this run's parts cannot do as asked
-    check_engine_placement(cfg)  # engine keys that would not do what they say
+    check_engine_placement(cfg, pm)  # engine keys that would not do what they say
     if tc.memory_check:  # a step the kernel would kill mid-run is refused now, naming what lowers it
         check_step_memory(cfg)
     _seed_everything(tc.seed)
@@ -353,7 +357,8 @@ def _rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
     }
 
 
-def _generate(generator: Any, progress: Any, rows: list, sampling: Sampling, seed: int, group_prefix: str) -> list:
+def _generate(generator: RolloutGenerator, progress: Progress, rows: list, sampling: Sampling, seed: int,
+              group_prefix: str) -> list:
     with progress.task("rollout", len(rows) * sampling.n) as advance:
         return generator.generate(rows, sampling, seed=seed, group_prefix=group_prefix,
                                   on_turn=lambda turn, done: advance(done))
@@ -402,7 +407,7 @@ def _collect_rollouts(
 
 
 def _advantages(
-    estimator: Any, samples: list[TrainingSample], rewards: torch.Tensor, batch: TrainingBatch,
+    estimator: AdvantageEstimator, samples: list[TrainingSample], rewards: torch.Tensor, batch: TrainingBatch,
     values: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages and returns ``[B, R]`` (``values``: the critic's, for ``gae``). Step-wise samples:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -11,12 +11,17 @@ from skyrl_core.config.schema import Config, ModelConfig, Selection
 from skyrl_core.model_sources import make_if_missing
 from skyrl_core.types import HandshakeVerdict
 
+if TYPE_CHECKING:
+    from skyrl_core.interfaces import InferenceEngine, TrainingBackend
+    from skyrl_core.plugins.manager import SkyrlPluginManager
+    from skyrl_core.ray_placement import RayPlacement
+
 
 class HandshakeError(RuntimeError):
     """Trainer and engine declared different execution contracts; weights must not be synced."""
 
 
-def resolve_model(model: ModelConfig, plugin_manager: Any = None) -> ModelConfig:
+def resolve_model(model: ModelConfig, plugin_manager: SkyrlPluginManager | None = None) -> ModelConfig:
     """``model`` with ``~`` expanded in its paths; a missing directory that a registered model source
     makes (e.g. the demo model) is made first."""
     if model.path is None:
@@ -27,7 +32,7 @@ def resolve_model(model: ModelConfig, plugin_manager: Any = None) -> ModelConfig
     return attrs.evolve(model, path=path, tokenizer=tokenizer)
 
 
-def build_selected(plugin_manager: Any, kind: str, selection: Selection, *args: Any, **kwargs: Any) -> Any:
+def build_selected(plugin_manager: SkyrlPluginManager, kind: str, selection: Selection, *args: Any, **kwargs: Any) -> Any:
     """Build the component ``selection`` names, passing its already structured options object:
     ``factory(*args, options, **kwargs)`` (engines and backends take ``(model, options, ...)``)."""
     spec = plugin_manager.spec(kind, selection.name)
@@ -39,8 +44,8 @@ def build_selected(plugin_manager: Any, kind: str, selection: Selection, *args: 
     return spec.load_factory()(*args, options, **kwargs)
 
 
-def build_engine(plugin_manager: Any, cfg: Config, model: ModelConfig, *, placement: Any = None,
-                 run_dir: str | None = None) -> Any:
+def build_engine(plugin_manager: SkyrlPluginManager, cfg: Config, model: ModelConfig, *,
+                 placement: RayPlacement | None = None, run_dir: str | None = None) -> InferenceEngine:
     """The run's engine: in this process (``engine.placement: colocated``), or ``engine.replicas``
     Ray actor processes behind a router, placed by ``placement`` (``separate``)."""
     if cfg.engine.placement == "separate":
@@ -50,8 +55,11 @@ def build_engine(plugin_manager: Any, cfg: Config, model: ModelConfig, *, placem
     return build_selected(plugin_manager, "inference_engine", cfg.engine, model, seed=cfg.trainer.seed)
 
 
-def check_engine_placement(cfg: Config) -> None:
-    """Refuse, before any work, ``engine`` keys that would not do what they say (docs/config.md)."""
+def check_engine_placement(cfg: Config, plugin_manager: SkyrlPluginManager | None = None) -> None:
+    """Refuse, before any work, ``engine`` keys that would not do what they say (docs/config.md).
+
+    ``separate`` needs an engine whose class declares ``supports_separate_process`` (it is built
+    inside a Ray actor process and its weights reach it by broadcast or checkpoint)."""
     from skyrl_core.config.errors import ConfigError, ConfigIssue
     from skyrl_core.config.schema import EngineConfig
 
@@ -64,10 +72,11 @@ def check_engine_placement(cfg: Config) -> None:
                     f"engine.{key}", f"{getattr(ec, key)!r} needs engine.placement=separate (the colocated engine "
                     f"runs in the trainer's process: one replica, in-process weights, placed with the trainer)",
                     allowed=(repr(getattr(defaults, key)),)))
-    elif ec.name != "torch":
+    elif not _engine_supports_separate_process(ec.name, plugin_manager):
         issues.append(ConfigIssue(
-            "engine.placement", f"'separate' (engines as Ray actor processes) is built for engine 'torch'; "
-            f"engine {ec.name!r} runs colocated", allowed=("colocated",)))
+            "engine.placement", f"'separate' (engines as Ray actor processes) needs an engine that declares "
+            f"supports_separate_process (engine 'torch' does); engine {ec.name!r} runs colocated",
+            allowed=("colocated",)))
     elif ec.ray_placement == "disaggregate":
         world_size = getattr(cfg.backend.options, "world_size", 1)
         if world_size < 2:
@@ -79,11 +88,20 @@ def check_engine_placement(cfg: Config) -> None:
         raise ConfigError(issues)
 
 
-def build_backend(plugin_manager: Any, cfg: Config, model: ModelConfig) -> Any:
+def _engine_supports_separate_process(name: str, plugin_manager: SkyrlPluginManager | None) -> bool:
+    if plugin_manager is None:
+        from skyrl_core.plugins.manager import get_plugin_manager
+
+        plugin_manager = get_plugin_manager()
+    return bool(getattr(plugin_manager.spec("inference_engine", name).load_factory(), "supports_separate_process", False))
+
+
+def build_backend(plugin_manager: SkyrlPluginManager, cfg: Config, model: ModelConfig) -> TrainingBackend:
     return build_selected(plugin_manager, "training_backend", cfg.backend, model, seed=cfg.trainer.seed, trainer=cfg.trainer)
 
 
-def _contract(plugin_manager: Any, role: str, runtime: Any) -> dict[str, Any]:
+def _contract(plugin_manager: SkyrlPluginManager, role: str,
+              runtime: TrainingBackend | InferenceEngine) -> dict[str, Any]:
     """The runtime's own contract plus each plugin's contribution under the plugin's name."""
     own = runtime.execution_contract()
     contract: dict[str, Any] = {"runtime": own}
@@ -94,7 +112,8 @@ def _contract(plugin_manager: Any, role: str, runtime: Any) -> dict[str, Any]:
     return contract
 
 
-def handshake(plugin_manager: Any, backend: Any, engine: Any) -> HandshakeVerdict:
+def handshake(plugin_manager: SkyrlPluginManager, backend: TrainingBackend,
+              engine: InferenceEngine) -> HandshakeVerdict:
     """Exchange contracts before a weight sync; raise ``HandshakeError`` listing every mismatch any
     plugin reports. Returns the plugins' combined verdict (whether the engine's logprobs are the
     trainer's, bit for bit)."""

@@ -40,13 +40,14 @@ def test_separate_only_keys_are_refused_with_a_colocated_engine(key, value):
     check_engine_placement(_cfg({key: value, "placement": "separate", "ray_placement": "colocate"}))  # accepted there
 
 
-def test_disaggregate_needs_trainer_rank_actors_and_separate_needs_the_torch_engine():
+def test_disaggregate_needs_trainer_rank_actors_and_separate_needs_an_engine_that_supports_it():
     with pytest.raises(ConfigError, match=r"engine\.ray_placement: 'disaggregate' .* world_size=1"):
         check_engine_placement(_cfg({"placement": "separate", "ray_placement": "disaggregate"}))
     check_engine_placement(_cfg({"placement": "separate", "ray_placement": "disaggregate"},
                                 backend={"name": "fsdp", "options": {"world_size": 2}}))
     cfg = structure_config({**TINY, "engine": {"name": "vllm", "placement": "separate"}})
-    with pytest.raises(ConfigError, match=r"engine\.placement: 'separate' .* engine 'vllm' runs colocated"):
+    with pytest.raises(ConfigError, match=r"engine\.placement: 'separate' .* supports_separate_process .* engine 'vllm' "
+                                          "runs colocated"):
         check_engine_placement(cfg)
 
 

@@ -82,6 +82,7 @@ class TorchEngine:
     """``skyrl_core.interfaces.InferenceEngine`` in plain PyTorch over a transformers model."""
 
     supports_pause = True  # pause/resume keep in-flight samples and their KV cache
+    supports_separate_process = True  # runs inside a Ray actor (engine.placement: separate)
 
     def __init__(self, model: ModelConfig, options: TorchEngineOptions | None = None, *, seed: int = 0) -> None:
         self.options = options if options is not None else TorchEngineOptions()
