@@ -20,7 +20,7 @@ Per-token activation sizes were measured on SmolLM2 (autograd's saved tensors, f
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Sequence
 
 import attrs
 
@@ -90,16 +90,51 @@ def activation_bytes_per_token(hf_config: Any, *, checkpointing: bool) -> int:
     return layers * one_layer + 2 * hidden * FP32
 
 
+# Rendering a prompt through a chat template takes about 0.1-0.5 ms: up to this many rows are
+# measured (well under a second); a larger dataset is estimated at rollout.max_prompt_tokens.
+MEASURED_PROMPT_ROWS = 2000
+
+
+def longest_prompt_tokens(cfg: Config, rows: Sequence[dict[str, Any]]) -> int:
+    """The longest prompt of ``rows`` in tokens, as rollouts start it (the row's ``prompt`` messages
+    through the model's chat template, what every ``skyrl_envs`` environment's ``reset`` returns),
+    capped by ``rollout.max_prompt_tokens`` (a longer prompt is refused when its row is drawn).
+
+    The cap itself when measuring is not cheap or not possible: more than ``MEASURED_PROMPT_ROWS``
+    rows, a row without a list of prompt messages (its environment builds the prompt), or a
+    tokenizer that cannot render them."""
+    cap = cfg.rollout.max_prompt_tokens
+    prompts = [row.get("prompt") for row in rows]
+    if not prompts or len(prompts) > MEASURED_PROMPT_ROWS or not all(isinstance(p, list) and p for p in prompts):
+        return cap
+    from skyrl_core.models import load_tokenizer
+    from skyrl_core.rollout import ChatCodec
+
+    model = cfg.model
+    if model.path is not None:
+        model = attrs.evolve(model, path=os.path.expanduser(model.path),
+                             tokenizer=os.path.expanduser(model.tokenizer) if model.tokenizer else None)
+    try:
+        codec = ChatCodec(load_tokenizer(model))
+        longest = max(len(codec.render_prompt(p)) for p in prompts)
+    except Exception:  # noqa: BLE001 - the rollout reports a prompt it cannot render; here the cap stands in
+        return cap
+    return min(longest, cap)
+
+
 def estimate_step_memory(cfg: Config, *, baseline_bytes: int, hf_config: Any = None,
-                         parameters: int | None = None) -> MemoryEstimate:
+                         parameters: int | None = None, prompt_tokens: int | None = None) -> MemoryEstimate:
+    """The step's peak by part. ``prompt_tokens``: the longest prompt (``longest_prompt_tokens``);
+    None takes ``rollout.max_prompt_tokens``."""
     tc, gen, ro = cfg.trainer, cfg.generation, cfg.rollout
     hf_config = hf_config if hf_config is not None else _hf_config(cfg)
     parameters = parameters if parameters is not None else _parameter_count(hf_config)
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     vocab = text.vocab_size
 
+    prompt = ro.max_prompt_tokens if prompt_tokens is None else min(prompt_tokens, ro.max_prompt_tokens)
     response = ro.max_response_tokens if ro.max_response_tokens is not None else gen.max_new_tokens * ro.max_turns
-    longest = ro.max_prompt_tokens + max(response, 1)
+    longest = prompt + max(response, 1)
     rows = cfg.data.prompts_per_step * gen.n_samples * (ro.max_turns if ro.stepwise else 1)
     world = int(_option(cfg.backend, "world_size", 1) or 1)
     rows_per_rank = -(-rows // world)
@@ -114,7 +149,9 @@ def estimate_step_memory(cfg: Config, *, baseline_bytes: int, hf_config: Any = N
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     kv_bytes_per_token = text.num_hidden_layers * 2 * (getattr(text, "num_key_value_heads", None) or text.num_attention_heads) * head_dim * engine_bytes_per_param
     slots = min(cfg.data.prompts_per_step * gen.n_samples, int(_option(cfg.engine, "max_num_seqs", 64)))
-    capacity = -(-(ro.max_prompt_tokens + gen.max_new_tokens) // 64) * 64
+    # a slot holds the request's context and its new tokens: the prompt and one turn, or, over
+    # several turns, the prompt and the whole response budget (observations included)
+    capacity = -(-(prompt + (response if ro.max_turns > 1 else min(gen.max_new_tokens, max(response, 1)))) // 64) * 64
     chunk = min(tc.logprob_chunk_tokens, micro_tokens)
 
     activations = world * micro_tokens * activation_bytes_per_token(hf_config, checkpointing=tc.activation_checkpointing)
@@ -157,15 +194,18 @@ def usable_memory_bytes() -> int:
     return max(0, available) + psutil.Process().memory_info().rss
 
 
-def check_step_memory(cfg: Config, *, usable: int | None = None) -> MemoryEstimate | None:
+def check_step_memory(cfg: Config, *, usable: int | None = None,
+                      train_rows: Sequence[dict[str, Any]] = ()) -> MemoryEstimate | None:
     """Refuse (``ConfigError`` on ``trainer.micro_batch_tokens``) a configuration whose estimated peak
     exceeds the memory this process may use; return the estimate otherwise (None when the model's
-    config cannot be read yet: the demo model is prepared later, a missing path is refused elsewhere)."""
+    config cannot be read yet: the demo model is prepared later, a missing path is refused elsewhere).
+    ``train_rows``: the training data, whose longest prompt is measured (none: the cap)."""
     import psutil
 
     if cfg.model.config is None and not os.path.isfile(os.path.join(os.path.expanduser(cfg.model.path or ""), "config.json")):
         return None
-    estimate = estimate_step_memory(cfg, baseline_bytes=psutil.Process().memory_info().rss)
+    prompt = longest_prompt_tokens(cfg, train_rows)
+    estimate = estimate_step_memory(cfg, baseline_bytes=psutil.Process().memory_info().rss, prompt_tokens=prompt)
     usable = usable_memory_bytes() if usable is None else usable
     if estimate.total <= usable:
         return estimate
@@ -173,7 +213,8 @@ def check_step_memory(cfg: Config, *, usable: int | None = None) -> MemoryEstima
     message = (
         f"the training step would need about {estimate.total / GIB:.1f} GiB but this process may use "
         f"{usable / GIB:.1f} GiB (MemAvailable / cgroup limit); estimate in GiB: {estimate.describe()}. "
-        f"The largest micro-batch holds {estimate.largest_micro_batch_tokens} padded tokens. Lower it with "
+        f"The largest micro-batch holds {estimate.largest_micro_batch_tokens} padded tokens (the longest "
+        f"prompt, {prompt} tokens, plus the response budget). Lower it with "
         f"trainer.micro_batch_tokens (now {tc.micro_batch_tokens}) or trainer.micro_batch_size "
         f"(now {tc.micro_batch_size}), set trainer.activation_checkpointing=true (now "
         f"{str(tc.activation_checkpointing).lower()}), lower trainer.logprob_chunk_tokens (now "

@@ -91,7 +91,7 @@ def train(cfg: Config, *, plugin_manager: SkyrlPluginManager | None = None) -> R
     check_mode(cfg, pm)  # a mode this run's parts cannot do as asked
     check_engine_placement(cfg, pm)  # engine keys that would not do what they say
     if tc.memory_check:  # a step the kernel would kill mid-run is refused now, naming what lowers it
-        check_step_memory(cfg)
+        check_step_memory(cfg, train_rows=inputs.train_rows)
     _seed_everything(tc.seed)
     keep_freed_memory()  # activation tensors reuse heap blocks instead of faulting in fresh pages
     run_dir = prepare_output_dir(cfg, inputs.resume_from)  # also removes what a killed checkpoint left

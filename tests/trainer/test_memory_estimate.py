@@ -81,6 +81,39 @@ def test_an_absurd_budget_is_refused_before_any_work_naming_the_knobs(tmp_path):
     assert check_step_memory(cfg, usable=10**18) is not None
 
 
+def test_the_estimate_takes_the_datas_longest_prompt_not_the_cap(tmp_path):
+    """The tiny model's byte tokenizer renders a prompt as its template's bytes: rows of 10 and 300
+    characters give a longest prompt of a few hundred tokens, under the 1024-token cap; the
+    micro-batch (one row: prompt + the 512-token response budget) and the KV cache follow it."""
+    from skyrl_core.config.schema import ModelConfig
+    from skyrl_core.models import load_tokenizer
+    from skyrl_core.rollout import ChatCodec
+    from skyrl_core.trainer import memory_estimate
+
+    raw = _config(tmp_path, trainer={"micro_batch_size": 1},
+                  rollout={"max_prompt_tokens": 1024, "max_response_tokens": 512})
+    cfg = structure_config(raw)
+    rows = [{"prompt": [{"role": "user", "content": "x" * n}]} for n in (10, 300, 40)]
+    codec = ChatCodec(load_tokenizer(ModelConfig(config=dict(cfg.model.config))))
+    expected = len(codec.render_prompt(rows[1]["prompt"]))
+    assert 300 <= expected < 1024
+    assert memory_estimate.longest_prompt_tokens(cfg, rows) == expected
+    measured = _estimate(cfg, prompt_tokens=expected)
+    capped = _estimate(cfg)
+    assert measured.largest_micro_batch_tokens == expected + 512 and capped.largest_micro_batch_tokens == 1024 + 512
+    assert measured.parts["engine KV cache"] < capped.parts["engine KV cache"]
+    # the cap stands in when a prompt is longer, a row has no prompt messages, or rows are too many to render
+    long_rows = [*rows, {"prompt": [{"role": "user", "content": "y" * 5000}]}]
+    assert memory_estimate.longest_prompt_tokens(cfg, long_rows) == 1024
+    assert memory_estimate.longest_prompt_tokens(cfg, [*rows, {"question": "no messages"}]) == 1024
+    assert memory_estimate.longest_prompt_tokens(cfg, rows * (memory_estimate.MEASURED_PROMPT_ROWS // 3 + 1)) == 1024
+    # the refusal says which prompt length it took, and still names the knobs
+    with pytest.raises(ConfigError) as caught:
+        check_step_memory(cfg, usable=1, train_rows=rows)
+    assert f"the longest prompt, {expected} tokens" in str(caught.value)
+    assert "trainer.micro_batch_tokens" in str(caught.value) and "rollout.max_prompt_tokens" in str(caught.value)
+
+
 def test_a_small_run_fits_and_the_usable_memory_is_read():
     usable = usable_memory_bytes()
     assert 0.25 * GIB < usable < 2**50
