@@ -11,6 +11,8 @@ from typing import Any, ClassVar
 
 import attrs
 
+from skyrl_core.config.validators import field_name, one_of, optional_positive_int
+
 LOSS_REDUCTIONS: tuple[str, ...] = (
     "token_mean", "sequence_mean", "seq_mean_token_sum_norm", "prompt_mean", "token_mean_legacy",
 )
@@ -22,71 +24,44 @@ def _help(text: str) -> dict[str, Any]:
     return {"help": text}
 
 
-def _name(instance: Any, attribute: attrs.Attribute) -> str:
-    # the config loader validates fields before building the instance (it passes a stand-in that is
-    # not an attrs instance, and its message already carries the key path)
-    return f"{type(instance).__name__}.{attribute.name}" if attrs.has(type(instance)) else attribute.name
-
-
 def _number(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{_name(instance, attribute)} must be a number, got {value!r}")
+        raise ValueError(f"{field_name(instance, attribute)} must be a number, got {value!r}")
 
 
 def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     _number(instance, attribute, value)
     if not value > 0:
-        raise ValueError(f"{_name(instance, attribute)} must be > 0, got {value!r}")
+        raise ValueError(f"{field_name(instance, attribute)} must be > 0, got {value!r}")
 
 
 def _non_negative(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     _number(instance, attribute, value)
     if not value >= 0:
-        raise ValueError(f"{_name(instance, attribute)} must be >= 0, got {value!r}")
+        raise ValueError(f"{field_name(instance, attribute)} must be >= 0, got {value!r}")
 
 
 def _fraction(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     """In (0, 1]."""
     _number(instance, attribute, value)
     if not 0 < value <= 1:
-        raise ValueError(f"{_name(instance, attribute)} must be in (0, 1], got {value!r}")
+        raise ValueError(f"{field_name(instance, attribute)} must be in (0, 1], got {value!r}")
 
 
 def _unit_interval(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     """In [0, 1]."""
     _number(instance, attribute, value)
     if not 0 <= value <= 1:
-        raise ValueError(f"{_name(instance, attribute)} must be in [0, 1], got {value!r}")
+        raise ValueError(f"{field_name(instance, attribute)} must be in [0, 1], got {value!r}")
 
 
 def _greater_than_one(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     _number(instance, attribute, value)
     if not value > 1:
-        raise ValueError(f"{_name(instance, attribute)} must be > 1, got {value!r}")
+        raise ValueError(f"{field_name(instance, attribute)} must be > 1, got {value!r}")
 
 
-def _optional_positive_int(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{_name(instance, attribute)} must be a positive integer or null, got {value!r}")
-
-
-def _one_of(*allowed: str):
-    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-        if value not in allowed:
-            raise ValueError(f"{_name(instance, attribute)} must be one of {', '.join(allowed)}; got {value!r}")
-
-    check.allowed = allowed  # type: ignore[attr-defined]
-    return check
-
-
-def _optional_reduction(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if value is not None:
-        _one_of(*LOSS_REDUCTIONS)(instance, attribute, value)
-
-
-_optional_reduction.allowed = LOSS_REDUCTIONS  # type: ignore[attr-defined]
+_optional_reduction = one_of(*LOSS_REDUCTIONS, optional=True)
 
 
 def _reduction_field() -> Any:
@@ -102,7 +77,7 @@ def _reduction_field() -> Any:
 def _norm_len_field() -> Any:
     return attrs.field(
         default=None,
-        validator=_optional_positive_int,
+        validator=optional_positive_int,
         metadata=_help("constant length for seq_mean_token_sum_norm (default: the batch's response length)"),
     )
 
@@ -162,7 +137,7 @@ class CISPOOptions:
     eps_high: float = _eps_high_field(0.28)
     anchor: str = attrs.field(
         default="old",
-        validator=_one_of(*ANCHORS),
+        validator=one_of(*ANCHORS),
         metadata=_help("behaviour policy of the ratio: old (pi / pi_old) or rollout (pi / pi_rollout, no TIS on top)"),
     )
     loss_reduction: str | None = _reduction_field()
@@ -234,7 +209,7 @@ class DPPOOptions:
     probability."""
 
     divergence: str = attrs.field(
-        default="binary_tv", validator=_one_of(*DIVERGENCES), metadata=_help("binary_tv or binary_kl")
+        default="binary_tv", validator=one_of(*DIVERGENCES), metadata=_help("binary_tv or binary_kl")
     )
     delta_low: float = attrs.field(
         default=0.15, validator=_positive, metadata=_help("threshold when the token's probability went down")

@@ -33,7 +33,7 @@ def test_fsdp_is_registered_with_its_options_class():
         ({"world_size": 0}, "world_size must be an integer >= 1; got 0"),
         ({"mixed_precision": "fp16"}, "mixed_precision must be one of auto, fp32, bf16; got 'fp16'"),
         ({"device": "tpu"}, "device must be one of auto, cpu, cuda; got 'tpu'"),
-        ({"threads_per_rank": 0}, "threads_per_rank must be an integer >= 1; got 0"),
+        ({"threads_per_rank": 0}, "threads_per_rank must be a positive integer or null; got 0"),
     ],
 )
 def test_bad_options_name_the_field_and_what_is_allowed(options, message):

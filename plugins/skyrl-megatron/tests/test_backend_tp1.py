@@ -127,7 +127,8 @@ def test_two_in_process_backends_share_megatrons_parallel_state(sequences):
     ("options", "message"),
     [
         ({"tensor_parallel": 2, "world_size": 3}, r"world_size \(3\) must be a multiple of tensor_parallel \(2\)"),
-        ({"tensor_parallel": 0}, "tensor_parallel must be an integer >= 1, got 0"),
+        ({"tensor_parallel": 0}, "tensor_parallel must be an integer >= 1; got 0"),
+        ({"tensor_parallel": True}, "tensor_parallel must be an integer >= 1; got True"),  # a bool is no degree
         ({"launcher": "inprocess", "world_size": 2}, "'inprocess' runs one process, but world_size is 2"),
         ({"tensor_parallel": 2, "world_size": 2, "expert_parallel": 2}, r"expert_parallel \(2\) must divide the data-parallel degree world_size / tensor_parallel \(1\)"),
         ({"launcher": "mpi"}, "launcher must be one of auto, inprocess, ray; got 'mpi'"),

@@ -48,7 +48,7 @@ def test_options_refusals():
     assert SGLangOptions().deterministic is True
     with pytest.raises(ValueError, match=r"mem_fraction_static must be in \(0, 1\), got 1.2"):
         SGLangOptions(mem_fraction_static=1.2)
-    with pytest.raises(ValueError, match="dtype must be one of float32, bfloat16, float16 or null, got 'int8'"):
+    with pytest.raises(ValueError, match="dtype must be one of float32, bfloat16, float16 or null; got 'int8'"):
         SGLangOptions(dtype="int8")
     with pytest.raises(ValueError, match="engine_kwargs may not set model_path, random_seed"):
         SGLangOptions(engine_kwargs={"model_path": "x", "random_seed": 1})

@@ -37,9 +37,9 @@ def test_registration_and_options_import_nothing_heavy():
 def test_vllm_options_defaults_and_refusals():
     opts = VLLMOptions()
     assert opts.multiprocess is True and opts.kv_cache_memory_bytes == 128 << 20 and opts.dtype is None
-    with pytest.raises(ValueError, match="dtype must be one of float32, bfloat16, float16 or null, got 'fp8'"):
+    with pytest.raises(ValueError, match="dtype must be one of float32, bfloat16, float16 or null; got 'fp8'"):
         VLLMOptions(dtype="fp8")
-    with pytest.raises(ValueError, match="kv_cache_memory_bytes must be a positive integer or null, got 0"):
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes must be a positive integer or null; got 0"):
         VLLMOptions(kv_cache_memory_bytes=0)
     with pytest.raises(ValueError, match="engine_kwargs may not set seed, worker_extension_cls"):
         VLLMOptions(engine_kwargs={"seed": 3, "worker_extension_cls": "x.Y"})

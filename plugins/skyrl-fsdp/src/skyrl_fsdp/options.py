@@ -6,28 +6,11 @@ from typing import Any
 
 import attrs
 
+from skyrl_core.config.validators import one_of, optional_positive_int, positive_int, positive_number
+
 PRECISIONS = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 CPU_GEMMS = ("onednn", "torch")
-
-
-def _one_of(*allowed: str):
-    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-        if value not in allowed:
-            raise ValueError(f"{attribute.name} must be one of {', '.join(allowed)}; got {value!r}")
-
-    check.allowed = allowed  # type: ignore[attr-defined]
-    return check
-
-
-def _positive_int(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{attribute.name} must be an integer >= 1; got {value!r}")
-
-
-def _optional_positive_int(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if value is not None:
-        _positive_int(instance, attribute, value)
 
 
 def _lora_targets(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -38,17 +21,12 @@ def _lora_targets(instance: Any, attribute: attrs.Attribute, value: Any) -> None
         raise ValueError(f"targets must be a non-empty list of {', '.join(TARGET_GROUPS)}; got {list(value)!r}")
 
 
-def _positive_float(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{attribute.name} must be a number > 0; got {value!r}")
-
-
 @attrs.frozen(kw_only=True)
 class LoraOptions:
     """A LoRA adapter (peft) trained instead of the full weights (``backend.options.lora``)."""
 
-    rank: int = attrs.field(validator=_positive_int, metadata={"help": "LoRA rank r"})
-    alpha: float = attrs.field(default=32.0, validator=_positive_float, metadata={"help": "scale alpha / r of the adapter's product"})
+    rank: int = attrs.field(validator=positive_int, metadata={"help": "LoRA rank r"})
+    alpha: float = attrs.field(default=32.0, validator=positive_number, metadata={"help": "scale alpha / r of the adapter's product"})
     targets: tuple[str, ...] = attrs.field(
         default=("attn", "mlp"),
         converter=tuple,
@@ -63,12 +41,12 @@ class FSDPOptions:
 
     world_size: int = attrs.field(
         default=1,
-        validator=_positive_int,
+        validator=positive_int,
         metadata={"help": "data-parallel ranks; 1 runs in-process, N > 1 runs N Ray actors on this machine"},
     )
     mixed_precision: str = attrs.field(
         default="auto",
-        validator=_one_of(*PRECISIONS),
+        validator=one_of(*PRECISIONS),
         metadata={
             "help": "auto: follow model.dtype (bfloat16: bf16 compute with fp32 master weights, gradient reduction "
             "and optimizer; float32: fp32); fp32 or bf16 must agree with model.dtype (refused otherwise)"
@@ -76,12 +54,12 @@ class FSDPOptions:
     )
     device: str = attrs.field(
         default="auto",
-        validator=_one_of(*DEVICES),
+        validator=one_of(*DEVICES),
         metadata={"help": "auto: cuda (nccl) when a GPU is visible, else cpu (gloo)"},
     )
     threads_per_rank: int | None = attrs.field(
         default=None,
-        validator=_optional_positive_int,
+        validator=optional_positive_int,
         metadata={
             "help": "torch threads in each Ray rank (default: CPU cores / world_size); "
             "the in-process rank of world_size 1 leaves the caller's setting alone unless this is set"
@@ -89,7 +67,7 @@ class FSDPOptions:
     )
     cpu_gemm: str = attrs.field(
         default="onednn",
-        validator=_one_of(*CPU_GEMMS),
+        validator=one_of(*CPU_GEMMS),
         metadata={
             "help": "fp32 matrix products on CPU: onednn (forward and backward, 1.5-2.1x faster than MKL on some "
             "CPUs, see benchmarks/cpu_gemm.py) or torch (F.linear, PyTorch's BLAS); IsoExec overrides both"

@@ -9,24 +9,11 @@ from typing import Any
 
 import attrs
 
+from skyrl_core.config.validators import one_of, optional_positive_int, positive_int
+
 
 def _help(text: str) -> dict[str, Any]:
     return {"help": text}
-
-
-def _at_least_one(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if value is not None and (not isinstance(value, int) or value < 1):
-        raise ValueError(f"backend.options.{attribute.name} must be an integer >= 1, got {value!r}")
-
-
-def _one_of(*allowed: str):
-    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-        if value not in allowed:
-            raise ValueError(
-                f"backend.options.{attribute.name} must be one of {', '.join(allowed)}; got {value!r}"
-            )
-
-    return check
 
 
 @attrs.frozen(kw_only=True)
@@ -39,35 +26,35 @@ class MegatronOptions:
     as Ray actors on this machine.
     """
 
-    tensor_parallel: int = attrs.field(default=1, validator=_at_least_one, metadata=_help("tensor-parallel degree"))
+    tensor_parallel: int = attrs.field(default=1, validator=positive_int, metadata=_help("tensor-parallel degree"))
     world_size: int | None = attrs.field(
         default=None,
-        validator=_at_least_one,
+        validator=optional_positive_int,
         metadata=_help("number of processes (default: tensor_parallel); a multiple of tensor_parallel"),
     )
     expert_parallel: int = attrs.field(
         default=1,
-        validator=_at_least_one,
+        validator=positive_int,
         metadata=_help("expert-parallel degree (MoE models): experts split across this many data-parallel replicas"),
     )
     micro_batch_size: int | None = attrs.field(
-        default=None, validator=_at_least_one, metadata=_help("sequences per forward pass (default: trainer.micro_batch_size)")
+        default=None, validator=optional_positive_int, metadata=_help("sequences per forward pass (default: trainer.micro_batch_size)")
     )
     mixed_precision: str = attrs.field(
         default="fp32",
-        validator=_one_of("fp32", "bf16"),
+        validator=one_of("fp32", "bf16"),
         metadata=_help("fp32, or bf16: bf16 parameters and compute with fp32 main parameters in megatron's optimizer (GPU only)"),
     )
     device: str = attrs.field(
-        default="auto", validator=_one_of("auto", "cpu", "cuda"), metadata=_help("cpu (gloo), cuda (nccl), or auto: cuda when available")
+        default="auto", validator=one_of("auto", "cpu", "cuda"), metadata=_help("cpu (gloo), cuda (nccl), or auto: cuda when available")
     )
     launcher: str = attrs.field(
         default="auto",
-        validator=_one_of("auto", "inprocess", "ray"),
+        validator=one_of("auto", "inprocess", "ray"),
         metadata=_help("inprocess (world_size 1 only), ray (one actor per process), or auto: inprocess for 1 process, else ray"),
     )
     torch_threads: int | None = attrs.field(
-        default=None, validator=_at_least_one, metadata=_help("torch CPU threads per Ray worker (default: torch's own)")
+        default=None, validator=optional_positive_int, metadata=_help("torch CPU threads per Ray worker (default: torch's own)")
     )
 
     def __attrs_post_init__(self) -> None:

@@ -6,6 +6,8 @@ from typing import Any
 
 import attrs
 
+from skyrl_core.config.validators import one_of, optional_positive_int
+
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -13,24 +15,22 @@ def _help(text: str) -> dict[str, Any]:
     return {"help": text}
 
 
-def _positive_or_none(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-        raise ValueError(f"{attribute.name} must be a positive integer or null, got {value!r}")
-
-
 @attrs.frozen(kw_only=True)
 class SGLangOptions:
     """How ``sglang.Engine`` is started. ``None`` means SGLang's own default."""
 
-    dtype: str | None = attrs.field(default=None, metadata=_help("weights/activations dtype (default: model.dtype)"))
+    dtype: str | None = attrs.field(
+        default=None, validator=one_of(*DTYPES, optional=True),
+        metadata=_help("weights/activations dtype (default: model.dtype)"),
+    )
     mem_fraction_static: float = attrs.field(
         default=0.5, metadata=_help("fraction of GPU memory for weights + KV cache (the rest is the trainer's)")
     )
     context_length: int | None = attrs.field(
-        default=None, validator=_positive_or_none, metadata=_help("longest prompt + response (null: the model's)")
+        default=None, validator=optional_positive_int, metadata=_help("longest prompt + response (null: the model's)")
     )
     max_running_requests: int | None = attrs.field(
-        default=None, validator=_positive_or_none, metadata=_help("sequences decoded together")
+        default=None, validator=optional_positive_int, metadata=_help("sequences decoded together")
     )
     deterministic: bool = attrs.field(
         default=True,
@@ -52,8 +52,6 @@ class SGLangOptions:
     engine_kwargs: dict[str, Any] = attrs.field(factory=dict, metadata=_help("extra keyword arguments for sglang.Engine"))
 
     def __attrs_post_init__(self) -> None:
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)} or null, got {self.dtype!r}")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static!r}")
         if not isinstance(self.engine_kwargs, dict) or not all(isinstance(k, str) for k in self.engine_kwargs):

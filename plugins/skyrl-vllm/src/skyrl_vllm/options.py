@@ -9,21 +9,13 @@ from typing import Any
 
 import attrs
 
+from skyrl_core.config.validators import one_of, optional_positive_int
+
 DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _help(text: str) -> dict[str, Any]:
     return {"help": text}
-
-
-def _positive_or_none(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-        raise ValueError(f"{attribute.name} must be a positive integer or null, got {value!r}")
-
-
-def _dtype_or_none(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if value is not None and value not in DTYPES:
-        raise ValueError(f"{attribute.name} must be one of {', '.join(DTYPES)} or null, got {value!r}")
 
 
 def _str_keyed_dict(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -41,21 +33,21 @@ class VLLMOptions:
     """How the vLLM engine is started. ``None`` means "decided from the model and the platform"."""
 
     dtype: str | None = attrs.field(
-        default=None, validator=_dtype_or_none, metadata=_help("weights/activations dtype (default: model.dtype)")
+        default=None, validator=one_of(*DTYPES, optional=True), metadata=_help("weights/activations dtype (default: model.dtype)")
     )
     kv_cache_memory_bytes: int | None = attrs.field(
         default=128 << 20,
-        validator=_positive_or_none,
+        validator=optional_positive_int,
         metadata=_help("bytes reserved for the KV cache (null: let vLLM size it from gpu_memory_utilization)"),
     )
     gpu_memory_utilization: float | None = attrs.field(
         default=None, metadata=_help("fraction of device memory vLLM may use when kv_cache_memory_bytes is null")
     )
     max_model_len: int | None = attrs.field(
-        default=1024, validator=_positive_or_none, metadata=_help("longest prompt + response in tokens (null: the model's)")
+        default=1024, validator=optional_positive_int, metadata=_help("longest prompt + response in tokens (null: the model's)")
     )
     max_num_seqs: int | None = attrs.field(
-        default=None, validator=_positive_or_none, metadata=_help("sequences decoded together (null: vLLM's default)")
+        default=None, validator=optional_positive_int, metadata=_help("sequences decoded together (null: vLLM's default)")
     )
     enforce_eager: bool | None = attrs.field(
         default=None, metadata=_help("skip torch.compile / CUDA graphs (null: true on CPU, false on GPU)")
@@ -107,7 +99,7 @@ class OpenAIOptions:
         factory=VLLMOptions, metadata=_help("options of the launched vLLM server (launch: true only)")
     )
     max_concurrency: int = attrs.field(
-        default=32, validator=_positive_or_none, metadata=_help("requests in flight at once")
+        default=32, validator=optional_positive_int, metadata=_help("requests in flight at once")
     )
     request_timeout_s: float = attrs.field(default=600.0, metadata=_help("seconds to wait for one completion"))
     startup_timeout_s: float = attrs.field(default=600.0, metadata=_help("seconds to wait for a launched server"))
