@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import shutil
 import tempfile
 from typing import Any
+
+from skyrl_core.rng_state import capture_rng_state, restore_rng_state
 
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"
@@ -47,22 +48,6 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:06d}"
 
 
-def _rng_state() -> dict[str, Any]:
-    import numpy as np
-    import torch
-
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    import numpy as np
-    import torch
-
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-
-
 def save_checkpoint(output_dir: str, step: int, backend: Any, trainer_state: dict[str, Any],
                     critic: Any = None) -> str:
     """Write the checkpoint of ``step`` (with ``critic``'s state if given) and point ``latest`` at
@@ -77,7 +62,7 @@ def save_checkpoint(output_dir: str, step: int, backend: Any, trainer_state: dic
         backend.save_checkpoint(os.path.join(tmp, BACKEND_DIR))
         if critic is not None:
             critic.save(os.path.join(tmp, CRITIC_DIR))
-        save_state(os.path.join(tmp, RNG_FILE), _rng_state())
+        save_state(os.path.join(tmp, RNG_FILE), capture_rng_state())
         with open(os.path.join(tmp, STATE_FILE), "w", encoding="utf-8") as f:
             json.dump({"format": FORMAT, "step": step, **trainer_state}, f, sort_keys=True)
         apply_ordinary_modes(tmp)
@@ -141,7 +126,7 @@ def load_checkpoint(path: str, backend: Any, critic: Any = None) -> dict[str, An
     if critic is not None:  # before the backend: a checkpoint without a critic changes nothing
         critic.load(os.path.join(path, CRITIC_DIR))
     backend.load_checkpoint(os.path.join(path, BACKEND_DIR))
-    _set_rng_state(rng)
+    restore_rng_state(rng)
     return state
 
 

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import math
 import os
-import random
 from typing import Any
 
 import attrs
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
@@ -41,6 +39,7 @@ from skyrl_core.config.schema import ModelConfig, TrainerConfig
 from skyrl_core.heap import keep_freed_memory
 from skyrl_core.interfaces import LossFn
 from skyrl_core.models import load_causal_lm, load_tokenizer
+from skyrl_core.rng_state import capture_rng_state, restore_rng_state
 from skyrl_core.state_file import load_state, save_state
 from skyrl_core.ops import prepare_model, site_scope
 from skyrl_core.ops.chunked_logprobs import response_logprobs
@@ -90,27 +89,6 @@ def _positions_to_score(micro: TrainingBatch) -> torch.Tensor:
 
 def _scalar(value: Any) -> float:
     return float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
-
-
-def _rng_state() -> dict[str, Any]:
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
 
 
 class FSDPRank:
@@ -304,7 +282,7 @@ class FSDPRank:
         else:  # asking for the state of a fresh optimizer would initialise it with a dummy step
             optim = {}
         rng_states: list[Any] = [None] * self.world_size
-        dist.all_gather_object(rng_states, _rng_state())
+        dist.all_gather_object(rng_states, capture_rng_state())
         if self.rank == 0:
             if self.options.lora is not None:  # the merged model for readers, the adapter for resuming
                 save_adapter(path, weights)
@@ -338,7 +316,7 @@ class FSDPRank:
         self.optimizer.zero_grad(set_to_none=True)
         self.optimizer_steps = int(state["optimizer_steps"])
         if self.rank < len(state["rng"]):
-            _set_rng_state(state["rng"][self.rank])
+            restore_rng_state(state["rng"][self.rank])
 
     def execution_contract(self) -> dict[str, Any]:
         return {

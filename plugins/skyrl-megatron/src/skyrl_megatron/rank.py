@@ -24,6 +24,7 @@ from skyrl_core.interfaces import LossFn
 from skyrl_core.models import load_causal_lm
 from skyrl_core.ops import prepare_model, site_scope, token_logprobs
 from skyrl_core.ops.install import DEFAULT_IMPLS
+from skyrl_core.rng_state import capture_rng_state, restore_rng_state
 from skyrl_core.types import TrainingBatch
 from skyrl_megatron import logprobs as vp
 from skyrl_megatron.convert import expert_name, hf_to_megatron, megatron_to_hf
@@ -457,18 +458,14 @@ def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 def _rng_state() -> dict[str, Any]:
+    """The process's generators plus megatron-core's RNG tracker (its model-parallel streams)."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
+    return {**capture_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-    torch.set_rng_state(state["torch"])
+    restore_rng_state(state)
     get_cuda_rng_tracker().set_states(state["tracker"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
