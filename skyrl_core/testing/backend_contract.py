@@ -48,6 +48,8 @@ TINY_QWEN3 = {
     "max_position_embeddings": 256,
     "tie_word_embeddings": True,
 }
+# The same body with untied input/output embeddings (Llama's layout).
+TINY_LLAMA = {**TINY_QWEN3, "model_type": "llama", "tie_word_embeddings": False}
 
 # Prompts of different lengths (left-padded in a batch), responses of different lengths (right-padded).
 PROMPT_LENGTHS = (3, 7, 1, 5)

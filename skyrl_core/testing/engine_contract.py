@@ -66,6 +66,8 @@ TINY_QWEN3 = {
     # near-uniform: argmax gaps far above float noise, seeds that visibly matter.
     "initializer_range": 0.2,
 }
+# The same body with untied input/output embeddings (Llama's layout).
+TINY_LLAMA = {**TINY_QWEN3, "model_type": "llama", "tie_word_embeddings": False}
 
 # TINY_QWEN3's attention with a sparse MoE MLP in every layer (8 experts, 2 per token).
 TINY_QWEN3_MOE = {

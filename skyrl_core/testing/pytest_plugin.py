@@ -1,7 +1,7 @@
 """pytest fixtures every skyrl package can use (registered through the ``pytest11`` entry point).
 
 Installing skyrl-core must not change anyone else's test runs, so this plugin only *offers*
-fixtures (``fresh_plugin_manager``, ``builtin_plugin_manager``). The test environment of skyrl's
+fixtures (``fresh_plugin_manager``, ``builtin_plugin_manager``, ``ray_session``). The test environment of skyrl's
 own suites (offline Hugging Face, Ray without auth, isolated vLLM cache, ``gpu`` tests skipped
 without CUDA) applies only to a project that opts in from its pytest config::
 
@@ -41,6 +41,19 @@ def builtin_plugin_manager() -> Iterator[SkyrlPluginManager]:
         yield pm
     finally:
         set_plugin_manager(previous)
+
+
+@pytest.fixture(scope="module")
+def ray_session() -> Iterator[None]:
+    """A local Ray session on loopback (``skyrl_core.local_ray``, two CPUs) for a module whose
+    backends or engines run as Ray actors; shut down after the module."""
+    import ray
+
+    from skyrl_core.local_ray import ensure_local_ray
+
+    ensure_local_ray(2)
+    yield
+    ray.shutdown()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -50,17 +50,6 @@ def test_engine_actor_in_process_takes_weights_by_broadcast_and_checkpoint_bit_e
         actor.close()
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    from skyrl_core.local_ray import ensure_local_ray
-
-    ensure_local_ray(2)
-    yield
-    ray.shutdown()
-
-
 @pytest.mark.slow
 def test_broadcast_and_checkpoint_sync_leave_engine_weights_bit_equal(ray_session, tmp_path):
     model = ModelConfig(config=dict(TINY_QWEN3))

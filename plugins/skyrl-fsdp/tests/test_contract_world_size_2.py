@@ -20,18 +20,6 @@ from skyrl_fsdp.options import FSDPOptions
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    """One local Ray session for every two-rank backend of this module."""
-    from skyrl_fsdp.ray_ranks import ensure_ray
-
-    import ray
-
-    ensure_ray(2)
-    yield
-    ray.shutdown()
-
-
 class TestFSDPWorldSize2(BackendContract):
     @pytest.fixture(scope="class")
     @classmethod

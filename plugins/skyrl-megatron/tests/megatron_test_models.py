@@ -1,19 +1,6 @@
 """Tiny model configs shared by the tests."""
 
-from skyrl_core.testing.backend_contract import TINY_QWEN3
-
-TINY_LLAMA = {
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "vocab_size": 512,
-    "max_position_embeddings": 256,
-    "tie_word_embeddings": False,
-}
+from skyrl_core.testing.backend_contract import TINY_LLAMA, TINY_QWEN3
 
 TINY_QWEN3_MOE = {
     "model_type": "qwen3_moe",

@@ -24,18 +24,6 @@ from megatron_test_models import DENSE_QWEN3_NEXT, TINY_LLAMA, TINY_QWEN3, TINY_
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    """One local Ray session for every multi-process backend of this module."""
-    import ray
-
-    from skyrl_megatron.ray_ranks import ensure_ray
-
-    ensure_ray(2)
-    yield
-    ray.shutdown()
-
-
 class TestMegatronTensorParallel2(BackendContract):
     @pytest.fixture(scope="class")
     @classmethod

@@ -4,11 +4,9 @@ and a hybrid Qwen3-Next (GatedDeltaNet linear-attention layers around an attenti
 import pytest
 
 from skyrl_core.config.schema import ModelConfig
-from skyrl_core.testing.engine_contract import TINY_QWEN3, TINY_QWEN3_NEXT, EngineContract
+from skyrl_core.testing.engine_contract import TINY_LLAMA, TINY_QWEN3, TINY_QWEN3_NEXT, EngineContract
 from skyrl_torch.engine import TorchEngine
 from skyrl_torch.options import TorchEngineOptions
-
-TINY_LLAMA = {**TINY_QWEN3, "model_type": "llama", "tie_word_embeddings": False}
 
 
 @pytest.mark.parametrize(
