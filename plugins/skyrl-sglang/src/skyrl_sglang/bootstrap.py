@@ -14,8 +14,10 @@ import logging
 import os
 import sys
 
+from skyrl_core.engines import bootstrap as shared
+
 MARKER = "SKYRL_SGLANG_WORKER"
-ENTRY_POINT_NAME = "skyrl"
+ENTRY_POINT_NAME = shared.ENTRY_POINT_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -23,20 +25,13 @@ _initialized_pid: int | None = None
 
 
 def marker_set() -> bool:
-    return os.environ.get(MARKER) == "1"
+    return shared.marker_set(MARKER)
 
 
 def sglang_plugins_allowlist_problem() -> str | None:
-    """Why SGLang would skip this bootstrap under the current ``SGLANG_PLUGINS``, or None if it will run."""
-    allow = os.environ.get("SGLANG_PLUGINS")
-    if not allow:  # SGLang treats an empty allowlist as "load everything"
-        return None
-    if ENTRY_POINT_NAME in {n.strip() for n in allow.split(",")}:
-        return None
-    return (
-        f"SGLANG_PLUGINS={allow!r} does not include {ENTRY_POINT_NAME!r}, so SGLang would skip skyrl's worker "
-        f"bootstrap and plugins (e.g. IsoExec) would not run inside SGLang; add {ENTRY_POINT_NAME!r} or unset it"
-    )
+    """Why SGLang would skip this bootstrap under the current ``SGLANG_PLUGINS`` (empty: SGLang loads
+    every plugin), or None if it will run."""
+    return shared.allowlist_problem("SGLANG_PLUGINS", "SGLang", empty_loads_all=True)
 
 
 def register() -> None:

@@ -15,10 +15,12 @@ from __future__ import annotations
 import logging
 import os
 
+from skyrl_core.engines import bootstrap as shared
+
 MARKER = "SKYRL_VLLM_WORKER"
 # "0" leaves vLLM's layers without skyrl's op sites (benchmarks/isoexec_vllm.py measures both).
 OP_SITES_SWITCH = "SKYRL_VLLM_OP_SITES"
-ENTRY_POINT_NAME = "skyrl"
+ENTRY_POINT_NAME = shared.ENTRY_POINT_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -26,22 +28,13 @@ _initialized_pid: int | None = None
 
 
 def marker_set() -> bool:
-    return os.environ.get(MARKER) == "1"
+    return shared.marker_set(MARKER)
 
 
 def vllm_plugins_allowlist_problem() -> str | None:
-    """Why vLLM would skip this bootstrap under the current ``VLLM_PLUGINS``, or None if it will run."""
-    allow = os.environ.get("VLLM_PLUGINS")
-    if allow is None:
-        return None
-    names = [n.strip() for n in allow.split(",") if n.strip()]
-    if ENTRY_POINT_NAME in names:
-        return None
-    return (
-        f"VLLM_PLUGINS={allow!r} does not include {ENTRY_POINT_NAME!r}, so vLLM would skip skyrl's worker "
-        f"bootstrap and plugins (e.g. IsoExec) would not run inside vLLM; add {ENTRY_POINT_NAME!r} to "
-        "VLLM_PLUGINS or unset it"
-    )
+    """Why vLLM would skip this bootstrap under the current ``VLLM_PLUGINS`` (set but empty: vLLM
+    loads no plugin), or None if it will run."""
+    return shared.allowlist_problem("VLLM_PLUGINS", "vLLM", empty_loads_all=False)
 
 
 def register() -> None:
