@@ -31,3 +31,31 @@ def allowlist_problem(variable: str, library: str, *, empty_loads_all: bool) -> 
         f"bootstrap and plugins (e.g. IsoExec) would not run inside {library}; add {ENTRY_POINT_NAME!r} to "
         f"{variable} or unset it"
     )
+
+
+class WorkerBootstrap:
+    """The once-per-process part of an engine plugin's bootstrap in its library's processes.
+
+    ``begin()`` is True the first time it is called in a process whose environment has ``marker``
+    set (a library may load its plugins more than once per process, and a forked child must start
+    over); ``init_plugins()`` then calls ``skyrl_worker_init(role="engine", engine=...)`` through
+    that process's plugin manager, before the plugin installs its op sites.
+    """
+
+    def __init__(self, *, engine: str, marker: str) -> None:
+        self.engine, self.marker = engine, marker
+        self._pid: int | None = None
+
+    def begin(self) -> bool:
+        if not marker_set(self.marker) or self._pid == os.getpid():
+            return False
+        self._pid = os.getpid()
+        return True
+
+    def init_plugins(self) -> None:
+        from skyrl_core.plugins.manager import get_plugin_manager
+
+        get_plugin_manager().hook.skyrl_worker_init(role="engine", engine=self.engine)
+
+    def ran_in_this_process(self) -> bool:
+        return self._pid == os.getpid()

@@ -10,8 +10,6 @@ layers (``skyrl_sglang.op_sites``), once per process.
 
 from __future__ import annotations
 
-import logging
-import os
 import sys
 
 from skyrl_core.engines import bootstrap as shared
@@ -19,9 +17,7 @@ from skyrl_core.engines import bootstrap as shared
 MARKER = "SKYRL_SGLANG_WORKER"
 ENTRY_POINT_NAME = shared.ENTRY_POINT_NAME
 
-logger = logging.getLogger(__name__)
-
-_initialized_pid: int | None = None
+_BOOTSTRAP = shared.WorkerBootstrap(engine="sglang", marker=MARKER)
 
 
 def marker_set() -> bool:
@@ -36,16 +32,9 @@ def sglang_plugins_allowlist_problem() -> str | None:
 
 def register() -> None:
     """SGLang general-plugin entry point. Idempotent; inert without the marker."""
-    global _initialized_pid
-    if not marker_set() or _initialized_pid == os.getpid():
+    if not _BOOTSTRAP.begin():
         return
-    _initialized_pid = os.getpid()
-    try:
-        from skyrl_core.plugins.manager import get_plugin_manager
-    except ImportError as exc:  # a skyrl-core without a plugin manager cannot host plugins
-        logger.warning("skyrl bootstrap in SGLang process %d: no plugin manager (%s)", os.getpid(), exc)
-        return
-    get_plugin_manager().hook.skyrl_worker_init(role="engine", engine="sglang")
+    _BOOTSTRAP.init_plugins()
     if "sglang" in sys.modules:  # SGLang's own loader called us (tests call the bootstrap directly)
         from skyrl_sglang import op_sites
 
@@ -53,4 +42,4 @@ def register() -> None:
 
 
 def ran_in_this_process() -> bool:
-    return _initialized_pid == os.getpid()
+    return _BOOTSTRAP.ran_in_this_process()

@@ -12,7 +12,6 @@ another implementation of an op), once per process.
 
 from __future__ import annotations
 
-import logging
 import os
 
 from skyrl_core.engines import bootstrap as shared
@@ -22,9 +21,7 @@ MARKER = "SKYRL_VLLM_WORKER"
 OP_SITES_SWITCH = "SKYRL_VLLM_OP_SITES"
 ENTRY_POINT_NAME = shared.ENTRY_POINT_NAME
 
-logger = logging.getLogger(__name__)
-
-_initialized_pid: int | None = None
+_BOOTSTRAP = shared.WorkerBootstrap(engine="vllm", marker=MARKER)
 
 
 def marker_set() -> bool:
@@ -39,16 +36,9 @@ def vllm_plugins_allowlist_problem() -> str | None:
 
 def register() -> None:
     """vLLM general-plugin entry point. Idempotent; inert without the marker."""
-    global _initialized_pid
-    if not marker_set() or _initialized_pid == os.getpid():
+    if not _BOOTSTRAP.begin():
         return
-    _initialized_pid = os.getpid()
-    try:
-        from skyrl_core.plugins.manager import get_plugin_manager
-    except ImportError as exc:  # a skyrl-core without a plugin manager cannot host plugins
-        logger.warning("skyrl bootstrap in vLLM process %d: no plugin manager (%s)", os.getpid(), exc)
-        return
-    get_plugin_manager().hook.skyrl_worker_init(role="engine", engine="vllm")
+    _BOOTSTRAP.init_plugins()
     if os.environ.get(OP_SITES_SWITCH, "1") != "0":
         from skyrl_vllm import op_sites
 
@@ -57,4 +47,4 @@ def register() -> None:
 
 def ran_in_this_process() -> bool:
     """Whether ``register`` initialised skyrl in the calling process."""
-    return _initialized_pid == os.getpid()
+    return _BOOTSTRAP.ran_in_this_process()
