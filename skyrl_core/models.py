@@ -69,7 +69,10 @@ def load_causal_lm(model: ModelConfig, *, seed: int = 0, device: str = "cpu") ->
         first_load = os.path.abspath(model.path) not in _LOADED_WITH_BAR
         _LOADED_WITH_BAR.add(os.path.abspath(model.path))
         with _loading_bars(shown=first_load):
-            lm = AutoModelForCausalLM.from_pretrained(model.path, dtype=dtype, attn_implementation="eager")
+            # read, not memory-mapped: a mapped file stays resident as long as any tensor in it
+            # lives, so weights an engine replaces (fused, packed, synced) would be held twice
+            lm = AutoModelForCausalLM.from_pretrained(model.path, dtype=dtype, attn_implementation="eager",
+                                                      disable_mmap=True)
     else:
         cfg = build_hf_config(model.config or {})
         cfg._attn_implementation = "eager"

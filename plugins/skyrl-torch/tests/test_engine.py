@@ -239,14 +239,25 @@ def test_closed_engine_refuses_work():
         eng.generate([request(prompt(2), "x")])
 
 
-def test_sleep_frees_the_kv_cache():
-    eng = engine()
-    eng.generate([request(prompt(3), "x", max_tokens=3)])
+def test_sleep_frees_the_kv_cache_and_the_prepacked_copies():
+    """Asleep, the engine holds its weights only (no KV cache, no packed copies); weights loaded
+    meanwhile are packed at wake: the same bits as an engine that never slept."""
+    eng, awake = engine(), engine()
+    packed = eng.execution_contract()["prepacked_gemm_operands"]
+    assert packed == 2 * 4 + 1
+    requests = [request(prompt(5), "a", n=2, max_tokens=6, seed=3)]
+    eng.generate(requests)
     assert eng._cache is not None and eng._cache.nbytes > 0
     eng.sleep()
-    assert eng._cache is None
+    assert eng._cache is None and eng.native.prepacked == 0
+    assert eng.native.layers[0].qkv_gemm is eng.native.layers[0].qkv_weight
+    new = load_causal_lm(MODEL, seed=5)
+    for e in (eng, awake):
+        e.update_weights((n, p.detach()) for n, p in new.named_parameters())
+    assert eng.native.prepacked == 0  # still asleep: packed at wake, once
     eng.wake()
-    assert eng.generate([request(prompt(3), "x", max_tokens=3)])[0][0].token_ids
+    assert eng.execution_contract()["prepacked_gemm_operands"] == packed
+    assert torch.equal(_bits(eng.generate(requests)), _bits(awake.generate(requests)))
 
 
 # --- bf16 and registration ---------------------------------------------------------------------------

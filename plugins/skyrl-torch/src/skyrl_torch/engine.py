@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 import attrs
 import torch
 
-from skyrl_core.heap import keep_freed_memory
+from skyrl_core.heap import keep_freed_memory, release_freed_memory
 from skyrl_core.models import load_causal_lm, load_tokenizer
 from skyrl_core.ops import prepare_model, site_scope, token_logprobs
 from skyrl_core.types import GeneratedSample, GenerationRequest
@@ -113,6 +113,7 @@ class TorchEngine:
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
         self._buffers = dict(self.model.named_buffers(remove_duplicate=False))
         self._closed = False
+        self._unpacked_asleep = False  # sleep dropped the prepacked weight copies; wake renews them
         # Continuous batching across concurrent ``generate`` calls: one scheduler state, driven by
         # one caller at a time (the others wait; the driver hands over when its own samples are done).
         self.policy_version = 0  # stamped on every token chosen; set by update_weights
@@ -208,7 +209,7 @@ class TorchEngine:
                         )
                     target.copy_(tensor)
         finally:  # also after a refused tensor: the ones before it are loaded
-            if self.native is not None:
+            if self.native is not None and not self._unpacked_asleep:  # asleep: wake packs the new weights
                 self.native.repack()  # its prepacked GEMM operands are copies of the old weights
 
     def execution_contract(self) -> dict[str, Any]:
@@ -222,15 +223,24 @@ class TorchEngine:
         }
 
     def sleep(self) -> None:
-        """Drop the KV cache (reallocated by the next ``generate``); weights stay."""
+        """Drop the KV cache (reallocated by the next ``generate``) and the prepacked copies of the
+        weights (renewed by ``wake``); the weights stay."""
         self._check_open()
         with self._lock:
             if self._active or self._waiting:
                 raise RuntimeError("sleep: samples are in flight (paused or generating); their KV cache must stay")
             self._cache = None
+            if self.native is not None and self.native.prepacked:
+                self.native.unpack()
+                self._unpacked_asleep = True
+        release_freed_memory()  # the freed blocks go back to the OS now, not at the next trim
 
     def wake(self) -> None:
         self._check_open()
+        with self._lock:
+            if self._unpacked_asleep:
+                self.native.repack()
+                self._unpacked_asleep = False
 
     def close(self) -> None:
         self._cache = None

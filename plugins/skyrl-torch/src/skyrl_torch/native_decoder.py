@@ -197,6 +197,11 @@ class NativeDecoder:
         """Renew the GEMM operands from the current weights (call after they change)."""
         self.lm_head_gemm, self.prepacked = pack_gemm_operands(self.layers, self.lm_head, self._packer)
 
+    def unpack(self) -> None:
+        """Drop the packed copies: the GEMMs read the weights themselves until ``repack`` (the
+        engine sleeps while the trainer needs the memory; the copies are renewed at wake)."""
+        self.lm_head_gemm, self.prepacked = pack_gemm_operands(self.layers, self.lm_head, None)
+
     def forward(self, cache: SlotKVCache, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Logits ``[n, V]`` of each row's last token; ``cache.plan`` must have been called."""
         n, q_len = tokens.shape
