@@ -78,7 +78,9 @@ class TrainingBackend(Protocol):
 
     def optim_step(self) -> dict[str, float]:
         """Clip gradients, step the optimizer and the LR schedule, zero gradients; return
-        ``{"grad_norm": ..., "lr": ...}``."""
+        ``{"grad_norm": ..., "lr": ...}``. A backend that accepts ``hyperparams``
+        (``skyrl_core.types.OptimizerHyperparams``, skyrl-fsdp) uses them for this step instead of
+        the trainer config's learning rate, schedule, betas, eps, weight decay and clip."""
 
     def save_checkpoint(self, path: str) -> None:
         """Write model, optimizer, scheduler and RNG state to the directory ``path``."""

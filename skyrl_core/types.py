@@ -114,6 +114,18 @@ class StepResult(NamedTuple):
 
 
 @attrs.frozen(kw_only=True)
+class OptimizerHyperparams:
+    """AdamW settings for one ``optim_step``, given by the caller instead of the trainer config's
+    schedule (the Tinker server passes each request's ``AdamParams``). ``grad_clip`` 0: no clipping."""
+
+    lr: float
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float = 0.0
+
+
+@attrs.frozen(kw_only=True)
 class TrainingBatch:
     """A batch of sequences in the layout every backend accepts.
 

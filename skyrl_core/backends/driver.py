@@ -117,18 +117,21 @@ class RankDriver:
         results = self._call("forward_backward", self._forward_backward_args(batch, loss_fn, temperature))
         return combine_micro_metrics([record for rank_records in self._replica_results(results) for record in rank_records])
 
-    def optim_step(self) -> dict[str, float]:
-        return self._call("optim_step")[0]
+    def optim_step(self, hyperparams: Any = None) -> dict[str, float]:
+        """``hyperparams`` (``OptimizerHyperparams``): this step's AdamW settings, for ranks that take them."""
+        return self._call("optim_step", None if hyperparams is None else [(hyperparams,)] * self.world_size)[0]
 
     def save_checkpoint(self, path: str) -> None:
         """Write the checkpoint to ``path`` atomically: into a temporary sibling directory renamed
         into place when complete."""
         self._write_atomically(path, "save_checkpoint")
 
-    def load_checkpoint(self, path: str) -> None:
+    def load_checkpoint(self, path: str, *, optimizer: bool = True) -> None:
+        """``optimizer`` False: the weights only, the optimizer starts fresh (ranks that take it)."""
         if not os.path.isfile(os.path.join(path, self.state_file)):
             raise FileNotFoundError(f"{path!r} is not {self.checkpoint_kind} checkpoint (no {self.state_file})")
-        self._call("load_checkpoint", [(os.path.abspath(path),)] * self.world_size)
+        args = (os.path.abspath(path),) if optimizer else (os.path.abspath(path), False)
+        self._call("load_checkpoint", [args] * self.world_size)
 
     def save_hf(self, path: str) -> None:
         """Write a Hugging Face directory (``config.json``, ``model.safetensors``, ...) to ``path``

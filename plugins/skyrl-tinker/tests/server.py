@@ -19,7 +19,11 @@ def write_tiny_model(directory: Path, seed: int = 0) -> str:
 
 @contextlib.contextmanager
 def serve(model_dir: str, checkpoints: Path, *, extra: tuple[str, ...] = (), env: dict[str, str] | None = None,
-          port: int | None = None) -> Iterator[str]:
-    """``skyrl tinker serve`` of the tiny model (one intra-op thread) in a subprocess; yields its URL."""
-    with serve_subprocess(model_dir, checkpoints, extra=extra, env={"OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", **(env or {})}, port=port) as (url, _):
+          port: int | None = None, kill: bool = False) -> Iterator[str]:
+    """``skyrl tinker serve`` of the tiny model (one intra-op thread) in a subprocess; yields its URL.
+    ``kill``: end it with SIGKILL (a crash: queued work never runs) instead of a clean stop."""
+    with serve_subprocess(model_dir, checkpoints, extra=extra, env={"OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", **(env or {})}, port=port) as (url, proc):
         yield url
+        if kill:
+            proc.kill()
+            proc.wait()

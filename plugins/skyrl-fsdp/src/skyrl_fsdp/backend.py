@@ -95,6 +95,12 @@ class FSDPBackend(RankDriver):
     def _forward_backward_args(self, batch: TrainingBatch, loss_fn: LossFn, temperature: float) -> list[tuple]:
         return [(part, loss_fn, plan, n, filler, temperature) for part, plan, n, filler in self._split(batch)]
 
+    def export_adapter(self) -> dict[str, torch.Tensor]:
+        """The LoRA adapter's own tensors (peft names, fp32, CPU) of ``options.lora``."""
+        if self.options.lora is None:
+            raise ValueError("export_adapter: this backend trains no LoRA adapter (backend.options.lora is not set)")
+        return self._call("adapter_state_dict")[0]
+
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full fp32 weights on CPU by Hugging Face name, in ``state_dict`` order (tied names included)."""
         return iter(self._call("full_state_dict")[0].items())

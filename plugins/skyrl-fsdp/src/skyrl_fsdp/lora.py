@@ -29,7 +29,7 @@ def apply_lora(model: torch.nn.Module, options: LoraOptions, seed: int) -> None:
     lora.select(model, ADAPTER)
 
 
-def _is_adapter(name: str) -> bool:
+def is_adapter_tensor(name: str) -> bool:
     return f".lora_A.{ADAPTER}." in name or f".lora_B.{ADAPTER}." in name
 
 
@@ -37,7 +37,7 @@ def hf_state_dict(state: dict[str, torch.Tensor], options: LoraOptions) -> dict[
     """A full state dict of the LoRA model (peft names) as the Hugging Face state dict of the
     merged model: ``<m>.base_layer.weight`` + adapter -> ``<m>.weight``; adapter tensors dropped."""
     scale = torch.tensor(options.alpha / options.rank, dtype=torch.float32)
-    out = {name.replace(".base_layer.", "."): t for name, t in state.items() if not _is_adapter(name)}
+    out = {name.replace(".base_layer.", "."): t for name, t in state.items() if not is_adapter_tensor(name)}
     suffix = f".lora_A.{ADAPTER}.weight"
     for name, lora_a in state.items():
         if name.endswith(suffix):
@@ -50,7 +50,7 @@ def hf_state_dict(state: dict[str, torch.Tensor], options: LoraOptions) -> dict[
 def save_adapter(path: str, state: dict[str, torch.Tensor]) -> None:
     from safetensors.torch import save_file
 
-    save_file({k: v.contiguous() for k, v in state.items() if _is_adapter(k)}, os.path.join(path, ADAPTER_FILE))
+    save_file({k: v.contiguous() for k, v in state.items() if is_adapter_tensor(k)}, os.path.join(path, ADAPTER_FILE))
 
 
 def read_adapter(path: str) -> dict[str, Any]:

@@ -43,9 +43,9 @@ from skyrl_core.rng_state import capture_rng_state, restore_rng_state
 from skyrl_core.state_file import load_state, save_state
 from skyrl_core.ops import prepare_model, site_scope
 from skyrl_core.ops.chunked_logprobs import response_logprobs
-from skyrl_core.types import TrainingBatch
+from skyrl_core.types import OptimizerHyperparams, TrainingBatch
 from skyrl_fsdp.hf_io import read_hf_weights, tied_aliases, write_hf_dir
-from skyrl_fsdp.lora import apply_lora, hf_state_dict, read_adapter, save_adapter
+from skyrl_fsdp.lora import apply_lora, hf_state_dict, is_adapter_tensor, read_adapter, save_adapter
 from skyrl_fsdp.options import FSDPOptions
 from skyrl_core.lr_schedule import lr_factor
 
@@ -231,16 +231,23 @@ class FSDPRank:
                 results.append((record, float(trained.sum())))
         return results
 
-    def optim_step(self) -> dict[str, float]:
-        lr = self.trainer.lr * lr_factor(
-            self.optimizer_steps,
-            schedule=self.trainer.lr_schedule,
-            warmup_steps=self.trainer.warmup_steps,
-            total_steps=self.total_optimizer_steps,
-        )
+    def optim_step(self, hyperparams: OptimizerHyperparams | None = None) -> dict[str, float]:
+        if hyperparams is None:
+            lr = self.trainer.lr * lr_factor(
+                self.optimizer_steps,
+                schedule=self.trainer.lr_schedule,
+                warmup_steps=self.trainer.warmup_steps,
+                total_steps=self.total_optimizer_steps,
+            )
+            clip = self.trainer.grad_clip
+        else:  # the caller's settings for this step (the no-decay group keeps weight decay 0)
+            lr, clip = hyperparams.lr, hyperparams.grad_clip or math.inf
+            for group in self.optimizer.param_groups:
+                group["betas"], group["eps"] = tuple(hyperparams.betas), hyperparams.eps
+            self.optimizer.param_groups[0]["weight_decay"] = hyperparams.weight_decay
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.trainer.grad_clip)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
         grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
         if math.isfinite(grad_norm):  # a non-finite gradient skips the update
             self.optimizer.step()
@@ -298,8 +305,13 @@ class FSDPRank:
             save_state(os.path.join(path, TRAINER_STATE_FILE), state)
         dist.barrier()
 
-    def load_checkpoint(self, path: str) -> None:
-        """Restore what ``save_checkpoint`` wrote (any world size; RNG per rank when it matches)."""
+    def adapter_state_dict(self) -> dict[str, torch.Tensor]:
+        """The LoRA adapter's own tensors (peft names) on rank 0; ``{}`` elsewhere. Collective."""
+        return {k: v for k, v in self.full_state_dict(lora_names=True).items() if is_adapter_tensor(k)}
+
+    def load_checkpoint(self, path: str, optimizer: bool = True) -> None:
+        """Restore what ``save_checkpoint`` wrote (any world size; RNG per rank when it matches);
+        without ``optimizer`` the weights only (the optimizer starts fresh)."""
         state = load_state(os.path.join(path, TRAINER_STATE_FILE))
         if state.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"{path}: checkpoint format {state.get('format')!r}, this backend reads {CHECKPOINT_FORMAT}")
@@ -308,7 +320,7 @@ class FSDPRank:
             set_model_state_dict(self.model, read_adapter(path), options=StateDictOptions(full_state_dict=True, strict=False))
         else:
             set_model_state_dict(self.model, read_hf_weights(path, self.aliases), options=full)
-        optim = load_state(os.path.join(path, OPTIMIZER_FILE))
+        optim = load_state(os.path.join(path, OPTIMIZER_FILE)) if optimizer else {}
         if optim:
             set_optimizer_state_dict(self.model, self.optimizer, optim, options=full)
         else:

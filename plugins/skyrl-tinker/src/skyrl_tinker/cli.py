@@ -6,7 +6,7 @@ import os
 
 import click
 
-ENGINES = ("torch",)
+ENGINES = ("torch", "vllm")
 
 
 def read_api_keys(path: str) -> set[str]:
@@ -26,6 +26,45 @@ def read_api_keys(path: str) -> set[str]:
     return keys
 
 
+def parse_engine_options(engine: str, pairs: tuple[str, ...]) -> dict:
+    """``KEY=VALUE`` pairs as the engine's options, checked by its options class before anything loads."""
+    import yaml
+
+    from skyrl_tinker.sampler import engine_options
+
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{pair!r}: expected KEY=VALUE", param_hint="--engine-option")
+        options[key.strip()] = yaml.safe_load(value)
+    try:
+        engine_options(engine, options)
+    except Exception as error:  # noqa: BLE001 - the options class names the key and what it allows
+        raise click.BadParameter(str(error), param_hint="--engine-option") from None
+    return options
+
+
+def check_backend(name: str) -> None:
+    """Refuse, before anything loads, a backend Tinker runs cannot train on."""
+    from skyrl_tinker.backend_trainer import BACKENDS
+
+    if name == "megatron":
+        raise click.BadParameter(
+            "'megatron': LoRA is not built in the Megatron backend (Tinker training runs are LoRA adapters); "
+            f"use one of: {', '.join(BACKENDS)}, or omit --backend (adapters train in the server's process)",
+            param_hint="--backend",
+        )
+    if name not in BACKENDS:
+        raise click.BadParameter(f"{name!r}: allowed: {', '.join(BACKENDS)} (or omit --backend)", param_hint="--backend")
+    from skyrl_core.plugins.manager import get_plugin_manager
+
+    try:
+        get_plugin_manager().spec("training_backend", name)
+    except Exception as error:  # noqa: BLE001 - the plugin is missing or broken: say which
+        raise click.BadParameter(f"{name!r}: {error}", param_hint="--backend") from None
+
+
 @click.group("tinker")
 def tinker_group() -> None:
     """The Tinker API: train LoRA adapters and sample from them with the official tinker SDK."""
@@ -35,7 +74,8 @@ def tinker_group() -> None:
 @click.option("--model", "model_dir", required=True, type=click.Path(exists=True, file_okay=False), help="local Hugging Face model directory (the base model)")
 @click.option("--model-name", default=None, help="the base_model name clients use (default: the directory's name)")
 @click.option("--engine", type=click.Choice(ENGINES), default="torch", show_default=True, help="inference engine for sampling")
-@click.option("--backend", default=None, metavar="NAME", help="not built: adapters train in this process (see docs/tinker.md)")
+@click.option("--engine-option", "engine_option", multiple=True, metavar="KEY=VALUE", help="an option of the engine (repeatable; VALUE read as YAML), e.g. kv_cache_memory_bytes=67108864")
+@click.option("--backend", default=None, metavar="NAME", help="train each run on this TrainingBackend (fsdp) instead of in this process (see docs/tinker.md)")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
 @click.option("--db", "db_url", default=None, help="SQLAlchemy URL of the state database (default: sqlite:///CHECKPOINTS/tinker.db)")
@@ -44,15 +84,13 @@ def tinker_group() -> None:
 @click.option("--lora-alpha", type=click.FloatRange(min=0, min_open=True), default=32.0, show_default=True, help="LoRA alpha (scale alpha / rank)")
 @click.option("--max-request-bytes", type=click.IntRange(min=1024), default=64 * 1024 * 1024, show_default=True, help="larger request bodies get 413")
 def serve(
-    model_dir: str, model_name: str | None, engine: str, backend: str | None, host: str, port: int, db_url: str | None,
+    model_dir: str, model_name: str | None, engine: str, engine_option: tuple[str, ...], backend: str | None, host: str, port: int, db_url: str | None,
     checkpoint_dir: str, api_keys_file: str | None, lora_alpha: float, max_request_bytes: int,
 ) -> None:
     """Serve the Tinker API for one base model on HOST:PORT."""
     if backend is not None:
-        raise click.BadParameter(
-            f"{backend!r}: training backends are not selectable yet; the server trains LoRA adapters in its own "
-            "process through the core's op sites (what skyrl-fsdp's rank does at world size 1)", param_hint="--backend"
-        )
+        check_backend(backend)
+    engine_options = parse_engine_options(engine, engine_option)
     api_keys = read_api_keys(api_keys_file) if api_keys_file else None
     os.makedirs(checkpoint_dir, exist_ok=True)
     if db_url is None:
@@ -71,6 +109,7 @@ def serve(
     from skyrl_tinker.service import TinkerService
 
     service = TinkerService(model_dir, db_url=db_url, checkpoint_dir=checkpoint_dir, engine=engine,
+                            engine_options=engine_options, backend=backend,
                             base_model=model_name, lora_alpha=lora_alpha)
     app = create_app(service, api_keys=api_keys, max_body_bytes=max_request_bytes)
     click.echo(f"skyrl tinker: serving {service.base_model!r} on http://{host}:{port}", err=True)

@@ -18,13 +18,19 @@ from skyrl_core.config.schema import ModelConfig
 from skyrl_core.types import GenerationRequest
 
 
-def build_engine(name: str, model_dir: str, seed: int = 0) -> Any:
+def engine_options(name: str, options: dict[str, Any]) -> Any:
+    """``options`` checked by engine ``name``'s options class (a clear error naming the key)."""
     from skyrl_core.config.loader import structure_options
     from skyrl_core.plugins.manager import get_plugin_manager
 
+    return structure_options(get_plugin_manager().spec("inference_engine", name), options, path="engine.options")
+
+
+def build_engine(name: str, model_dir: str, options: dict[str, Any] | None = None, seed: int = 0) -> Any:
+    from skyrl_core.plugins.manager import get_plugin_manager
+
     spec = get_plugin_manager().spec("inference_engine", name)
-    options = structure_options(spec, {}, path=f"engine:{name}")
-    return spec.load_factory()(ModelConfig(path=model_dir), options, seed=seed)
+    return spec.load_factory()(ModelConfig(path=model_dir), engine_options(name, options or {}), seed=seed)
 
 
 class Sampler:

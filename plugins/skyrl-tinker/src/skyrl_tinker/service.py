@@ -28,12 +28,16 @@ from skyrl_tinker.losses import LossInputError, check_loss
 from skyrl_tinker.store import (
     DONE,
     FAILED,
+    PENDING,
     CheckpointRow,
     FutureRow,
+    InstanceRow,
     ModelRow,
     SamplingSessionRow,
     SessionRow,
     Store,
+    done,
+    failed,
     now,
 )
 from skyrl_tinker.wire import ForwardBackwardCall, encode_forward_backward_output, encode_sample_response
@@ -63,6 +67,8 @@ class NotFound(TinkerError):
 Result = tuple[str, Any]  # ("json", dict) or ("proto", bytes)
 # Sampling requests queued back to back for the same weights share one engine call, up to this many.
 MAX_SAMPLE_BATCH = 64
+# While the engine generates, how often the worker looks for sampling requests that can join it.
+SAMPLE_JOIN_POLL_SECONDS = 0.002
 
 
 @attrs.frozen
@@ -84,6 +90,8 @@ class TinkerService:
         db_url: str,
         checkpoint_dir: str,
         engine: str = "torch",
+        engine_options: dict[str, Any] | None = None,
+        backend: str | None = None,
         base_model: str | None = None,
         lora_alpha: float = DEFAULT_LORA_ALPHA,
     ) -> None:
@@ -92,18 +100,25 @@ class TinkerService:
         self.model_dir = model_dir
         self.base_model = base_model or os.path.basename(os.path.normpath(model_dir))
         self.engine_name = engine
+        self.engine_options = dict(engine_options or {})
         self.lora_alpha = lora_alpha
         self.checkpoint_dir = os.path.abspath(checkpoint_dir)
-        self.instance = uuid.uuid4().hex  # models made by another process have lost their adapters
+        # Models made by another process have lost their adapters; futures it issued and never
+        # finished are reported failed (their ids start with its instance id).
+        self.instance = uuid.uuid4().hex[:16]
         self.store = Store(db_url)
-        failed = self.store.fail_unfinished()
-        if failed:
-            log.warning("%d requests were unfinished when the previous server stopped; marked failed", failed)
-        self.trainer = LoraTrainer(model_dir)
+        self.store.add(InstanceRow(id=self.instance))
+        if backend is None:
+            self.trainer = LoraTrainer(model_dir)
+        else:
+            from skyrl_tinker.backend_trainer import BackendLoraTrainer
+
+            self.trainer = BackendLoraTrainer(model_dir, backend)
         self._sampler: Any = None
         self._sampler_tensors: tuple[str, Any] | None = None
         self._queue: queue.Queue = queue.Queue()
         self._finished: dict[str, threading.Event] = {}
+        self._pending: dict[str, FutureRow] = {}  # queued or running; written when finished
         self._worker = threading.Thread(target=self._work, name="tinker-worker", daemon=True)
         self._worker.start()
 
@@ -114,8 +129,9 @@ class TinkerService:
         sampling_session: str | None = None, **extra: Any,
     ) -> dict[str, Any]:
         """Queue ``work``; the promise the SDK polls (``UntypedAPIFuture``) plus ``extra`` fields."""
-        future_id = uuid.uuid4().hex
-        self.store.add(FutureRow(id=future_id, owner=owner, model_id=model_id, kind=kind, sampling_session=sampling_session))
+        future_id = f"{self.instance}.{uuid.uuid4().hex}"
+        self._pending[future_id] = FutureRow(id=future_id, owner=owner, model_id=model_id, kind=kind,
+                                             sampling_session=sampling_session, status=PENDING, created=now())
         self._finished[future_id] = threading.Event()
         self._queue.put((future_id, work))
         return {"request_id": future_id, "model_id": model_id, **extra}
@@ -126,13 +142,13 @@ class TinkerService:
             if item is None:
                 return
             if isinstance(item[1], SampleJob):
-                self._run_samples([item, *self._next_samples(item[1])])
+                self._run_samples(item)
             else:
                 self._run(*item)
 
     def _next_samples(self, first: SampleJob) -> list[tuple[str, SampleJob]]:
-        """The sampling requests queued right after ``first`` for the same weights: they run as one
-        batch in the engine (nothing queued between them is skipped, so order is kept)."""
+        """The sampling requests queued right after ``first`` for the same weights: they run in
+        the same engine batch (nothing queued between them is skipped, so order is kept)."""
         taken: list[tuple[str, SampleJob]] = []
         with self._queue.mutex:
             waiting = self._queue.queue
@@ -142,71 +158,107 @@ class TinkerService:
         return taken
 
     def _run(self, future_id: str, work: Callable[[], Result]) -> None:
-        self.store.update(FutureRow, future_id, status="running")
+        # (A future is "running" only in memory: after a crash queued and running work are both
+        # reported failed, so persisting the transition would cost an fsync for nothing.)
         start = time.perf_counter()
         try:
             form, payload = work()
         except Exception as error:  # noqa: BLE001 - reported to the client, the server keeps serving
-            self._failed(future_id, error)
+            self._record([(future_id, self._failure(error))])
         else:
-            self._finish(future_id, form, payload, time.perf_counter() - start)
+            self._record([(future_id, self._success(form, payload, time.perf_counter() - start))])
 
-    def _finish(self, future_id: str, form: str, payload: Any, seconds: float) -> None:
-        if form == "proto":
-            self.store.finish(future_id, proto=payload, seconds=seconds)
-        else:
-            self.store.finish(future_id, result=payload, seconds=seconds)
-        self._signal(future_id)
+    @staticmethod
+    def _success(form: str, payload: Any, seconds: float) -> dict[str, Any]:
+        return done(proto=payload, seconds=seconds) if form == "proto" else done(result=payload, seconds=seconds)
 
-    def _failed(self, future_id: str, error: Exception) -> None:
+    @staticmethod
+    def _failure(error: Exception) -> dict[str, Any]:
         if isinstance(error, TinkerError):
-            self.store.fail(future_id, str(error), "user")
-        else:
-            log.error("request %s failed:\n%s", future_id, "".join(traceback.format_exception(error)))
-            self.store.fail(future_id, f"{type(error).__name__}: {error}", "server")
-        self._signal(future_id)
+            return failed(str(error), "user")
+        log.error("request failed:\n%s", "".join(traceback.format_exception(error)))
+        return failed(f"{type(error).__name__}: {error}", "server")
 
-    def _signal(self, future_id: str) -> None:
-        event = self._finished.pop(future_id, None)
-        if event is not None:
-            event.set()
+    def _record(self, outcomes: list[tuple[str, dict[str, Any]]]) -> None:
+        """Write outcomes durably (one transaction), then wake the long-polls waiting for them."""
+        self.store.finish([(self._pending[future_id], values) for future_id, values in outcomes])
+        for future_id, _ in outcomes:
+            del self._pending[future_id]  # (after the commit: a reader finds it here or there)
+            event = self._finished.pop(future_id, None)
+            if event is not None:
+                event.set()
 
-    def _run_samples(self, jobs: list[tuple[str, SampleJob]]) -> None:
-        """One engine ``generate`` for several sampling requests on the same weights."""
+    def _run_samples(self, first: tuple[str, SampleJob]) -> None:
+        """Sampling requests for the same weights as one engine batch. An engine that batches
+        concurrent ``generate`` calls (``supports_pause``: skyrl-torch) also takes requests that
+        arrive while it generates: each joins the running batch at the next token instead of
+        waiting for it to end (the SDK sends a step's ``sample`` calls one HTTP request each)."""
         from skyrl_core.types import GenerationRequest
 
-        for future_id, _ in jobs:
-            self.store.update(FutureRow, future_id, status="running")
         start = time.perf_counter()
-        first = jobs[0][1]
+        job = first[1]
+        jobs = [first, *self._next_samples(job)]
         try:
-            tensors = self._sampler_weights(first.model_path, first.checkpoint_dir)
+            tensors = self._sampler_weights(job.model_path, job.checkpoint_dir)
             sampler = self._get_sampler()
-            sampler.load(first.model_path, tensors, self.trainer.base_weights())
-            requests = [GenerationRequest(request_id=fid, prompt_token_ids=tuple(job.prompt), sampling=job.params) for fid, job in jobs]
-            results = sampler.sample(requests)
+            sampler.load(job.model_path, tensors, self.trainer.base_weights())
         except Exception as error:  # noqa: BLE001
-            for future_id, _ in jobs:
-                self._failed(future_id, error)
+            self._record([(fid, self._failure(error)) for fid, _ in jobs])
             return
-        seconds = (time.perf_counter() - start) / len(jobs)
-        for (future_id, job), sequences in zip(jobs, results):
+        results: dict[str, Any] = {}
+
+        def generate(batch: list[tuple[str, SampleJob]]) -> None:
+            requests = [GenerationRequest(request_id=fid, prompt_token_ids=tuple(j.prompt), sampling=j.params) for fid, j in batch]
             try:
-                prompt_logprobs = None
-                if job.prompt_logprobs:
-                    scored = self.trainer.score(tensors, job.prompt)
-                    prompt_logprobs = np.concatenate([np.array([np.nan], dtype=np.float32), scored])
-                self._finish(future_id, "proto", encode_sample_response(sequences, prompt_logprobs), seconds)
+                results.update(zip((fid for fid, _ in batch), sampler.sample(requests)))
             except Exception as error:  # noqa: BLE001
-                self._failed(future_id, error)
+                results.update((fid, error) for fid, _ in batch)
+
+        if getattr(sampler.engine, "supports_pause", False):
+            threads = [threading.Thread(target=generate, args=(list(jobs),), name="tinker-sample", daemon=True)]
+            threads[0].start()
+            while True:
+                joining = self._next_samples(job)
+                if joining:
+                    jobs += joining
+                    threads.append(threading.Thread(target=generate, args=(joining,), name="tinker-sample", daemon=True))
+                    threads[-1].start()
+                    continue
+                running = [t for t in threads if t.is_alive()]
+                if not running:
+                    break
+                running[-1].join(SAMPLE_JOIN_POLL_SECONDS)
+        else:
+            generate(jobs)
+        seconds = (time.perf_counter() - start) / len(jobs)
+        outcomes = []
+        for future_id, sample_job in jobs:
+            sequences = results[future_id]
+            try:
+                if isinstance(sequences, Exception):
+                    raise sequences
+                prompt_logprobs = None
+                if sample_job.prompt_logprobs:
+                    scored = self.trainer.score(tensors, sample_job.prompt)
+                    prompt_logprobs = np.concatenate([np.array([np.nan], dtype=np.float32), scored])
+                outcomes.append((future_id, done(proto=encode_sample_response(sequences, prompt_logprobs), seconds=seconds)))
+            except Exception as error:  # noqa: BLE001
+                outcomes.append((future_id, self._failure(error)))
+        self._record(outcomes)
 
     def done_event(self, future_id: str) -> threading.Event | None:
         return self._finished.get(future_id)
 
     def retrieve(self, owner: str, future_id: str) -> Result:
         """The finished result (json or proto), an error record, or ``try_again``."""
-        row = self.store.get(FutureRow, future_id)
-        if row is None or row.owner != owner:
+        row = self._pending.get(future_id) or self.store.get(FutureRow, future_id)
+        if row is None:
+            instance = future_id.split(".", 1)[0]
+            if instance != self.instance and self.store.is_recorded_instance(instance):
+                return "json", {"error": "the server stopped before this request finished; it did not run to completion",
+                                "category": "server"}
+            raise NotFound(f"request_id {future_id!r} not found")
+        if row.owner != owner:
             raise NotFound(f"request_id {future_id!r} not found")
         if row.status == DONE:
             if row.result_proto is not None:
@@ -223,20 +275,21 @@ class TinkerService:
         worker runs requests in submission order, so finished ones are always a prefix), the new
         cursor, and whether any of its requests is still unfinished."""
         self.sampler_info(owner, sampling_session_id)
-        rows = self.store.rows(FutureRow, owner=owner, sampling_session=sampling_session_id)
-        finished = [r for r in rows if r.status in (DONE, FAILED)]
+        finished = self.store.rows(FutureRow, owner=owner, sampling_session=sampling_session_id)
+        pending = [r for r in list(self._pending.values()) if r.sampling_session == sampling_session_id and r.owner == owner]
         completions = [
             {"state": "finished", "request_id": r.id, "response_payload_uncompressed_size": len(r.result_proto or b"")}
             if r.status == DONE else {"state": "failed", "request_id": r.id}
             for r in finished[cursor:]
         ]
-        return completions, len(finished), len(finished) < len(rows)
+        return completions, len(finished), bool(pending)
 
     def close(self) -> None:
         self._queue.put(None)
         self._worker.join(timeout=60)
         if self._sampler is not None:
             self._sampler.close()
+        self.trainer.close()
 
     # --- sessions -----------------------------------------------------------------------------------
 
@@ -323,9 +376,6 @@ class TinkerService:
             "model_name": self.base_model,
         }
 
-    def _touch(self, model_id: str) -> None:
-        self.store.update(ModelRow, model_id, last_request=now())
-
     # --- training -----------------------------------------------------------------------------------
 
     def _examples(self, call: ForwardBackwardCall) -> list[Any]:
@@ -366,7 +416,14 @@ class TinkerService:
                 elif not np.all(np.isfinite(values)):
                     raise TinkerError(f"{where}.loss_fn_inputs.{name}: holds non-finite values")
             inputs = {k: (v.astype(np.int64) if k == "target_tokens" else v.astype(np.float32)) for k, v in datum.inputs.items()}
-            examples.append(Example(datum.tokens, inputs))
+            example = Example(datum.tokens, inputs)
+            if self.trainer.next_token_targets_only and not np.array_equal(inputs["target_tokens"][:-1], datum.tokens[1:]):
+                raise TinkerError(
+                    f"{where}.loss_fn_inputs.target_tokens: with --backend every target must be the next input token "
+                    "(target_tokens[i] == model_input[i + 1]), as in next-token data; the backend scores a prompt "
+                    "and its continuation"
+                )
+            examples.append(example)
         return examples
 
     def forward_backward(self, owner: str, call: ForwardBackwardCall) -> dict[str, Any]:
@@ -377,7 +434,6 @@ class TinkerService:
         def work() -> Result:
             run = self.trainer.forward if call.forward_only else self.trainer.forward_backward
             logprobs, metrics = run(model_id, examples, loss_fn, config)
-            self._touch(model_id)
             return "proto", encode_forward_backward_output(logprobs, metrics)
 
         return self.submit(owner, "forward" if call.forward_only else "forward_backward", model_id, work)
@@ -404,7 +460,6 @@ class TinkerService:
 
         def work() -> Result:
             metrics = self.trainer.optim_step(model_id, step)
-            self._touch(model_id)
             return "json", {"metrics": metrics}
 
         return self.submit(owner, "optim_step", model_id, work)
@@ -429,12 +484,10 @@ class TinkerService:
             raise TinkerError(f"path: checkpoint {path!r} exists (pass overwrite=True to replace it)", status=409)
         return path, checkpoint_id, self._checkpoint_dir(owner, model_id, checkpoint_id)
 
-    def _record_checkpoint(self, owner: str, model_id: str, kind: str, path: str, checkpoint_id: str, directory: str, user_metadata: Any) -> None:
+    def _checkpoint_row(self, owner: str, model_id: str, kind: str, path: str, checkpoint_id: str, directory: str, user_metadata: Any) -> CheckpointRow:
         size = sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))
-        with self.store._lock, self.store.session() as s:
-            s.merge(CheckpointRow(tinker_path=path, owner=owner, model_id=model_id, kind=kind, checkpoint_id=checkpoint_id,
-                                  directory=directory, size_bytes=size, user_metadata=user_metadata, created=now()))
-            s.commit()
+        return CheckpointRow(tinker_path=path, owner=owner, model_id=model_id, kind=kind, checkpoint_id=checkpoint_id,
+                             directory=directory, size_bytes=size, user_metadata=user_metadata, created=now())
 
     def save_weights(self, owner: str, request: Any) -> dict[str, Any]:
         self._model(owner, request.model_id)
@@ -448,7 +501,7 @@ class TinkerService:
             self.trainer.save(model_id, tmp, optimizer=True)
             shutil.rmtree(directory, ignore_errors=True)
             os.replace(tmp, directory)
-            self._record_checkpoint(owner, model_id, "training", path, checkpoint_id, directory, request.user_metadata)
+            self.store.put([self._checkpoint_row(owner, model_id, "training", path, checkpoint_id, directory, request.user_metadata)])
             return "json", {"path": path, "type": "save_weights"}
 
         return self.submit(owner, "save_weights", model_id, work)
@@ -466,11 +519,13 @@ class TinkerService:
             shutil.rmtree(tmp, ignore_errors=True)
             self.trainer.save(model_id, tmp, optimizer=False)
             os.replace(tmp, directory)
-            self._record_checkpoint(owner, model_id, "sampler", path, checkpoint_id, directory, request.user_metadata)
+            checkpoint = self._checkpoint_row(owner, model_id, "sampler", path, checkpoint_id, directory, request.user_metadata)
             if named:
+                self.store.put([checkpoint])
                 return "json", {"path": path, "type": "save_weights_for_sampler"}
             sampling_session_id = uuid.uuid4().hex[:16]
-            self.store.add(SamplingSessionRow(id=sampling_session_id, owner=owner, session_id=row.session_id, base_model=self.base_model, model_path=path))
+            self.store.put([checkpoint, SamplingSessionRow(id=sampling_session_id, owner=owner, session_id=row.session_id,
+                                                           base_model=self.base_model, model_path=path)])
             return "json", {"path": None, "sampling_session_id": sampling_session_id, "type": "save_weights_for_sampler"}
 
         return self.submit(owner, "save_weights_for_sampler", model_id, work)
@@ -515,7 +570,6 @@ class TinkerService:
             if create:
                 self.trainer.create(model_id, rank=meta["rank"], alpha=meta["alpha"], groups=tuple(meta["groups"]), seed=meta["seed"])
             self.trainer.load(model_id, directory, optimizer=with_optimizer)
-            self._touch(model_id)
             return "json", {"path": request.path, "model_id": model_id, "type": "load_weights"}
 
         return self.submit(owner, "load_weights", model_id, work)
@@ -647,7 +701,7 @@ class TinkerService:
         if self._sampler is None:
             from skyrl_tinker.sampler import Sampler, build_engine
 
-            self._sampler = Sampler(build_engine(self.engine_name, self.model_dir))
+            self._sampler = Sampler(build_engine(self.engine_name, self.model_dir, self.engine_options))
         return self._sampler
 
 

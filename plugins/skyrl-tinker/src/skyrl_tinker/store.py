@@ -1,9 +1,11 @@
 """The server's durable state in SQLite (SQLAlchemy): sessions, models (training runs), futures,
 checkpoints and sampling sessions, each owned by the hash of the API key that made it.
 
-A future's result is written when its work finishes, in the same transaction that marks it done,
-so a restarted server answers for every finished request. Work that was queued or running when the
-process died is marked failed at the next start (``fail_unfinished``), never left pending.
+A future is written once, when its work finishes, with its result in one transaction (a sampling
+batch's futures together), so a restarted server answers for every finished request. Queued work
+is held in memory only (no fsync per request): each future id starts with the id of the server
+process that issued it, and every process start is recorded first, so a request id of an earlier
+process that has no row is work that process never finished, reported failed, never lost.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 from sqlalchemy import JSON, DateTime, Float, Integer, LargeBinary, String, Text, create_engine, event, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
-PENDING, RUNNING, DONE, FAILED = "pending", "running", "done", "failed"
+PENDING, DONE, FAILED = "pending", "done", "failed"
 
 
 def now() -> dt.datetime:
@@ -84,6 +86,14 @@ class CheckpointRow(Base):
     created: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=now)
 
 
+class InstanceRow(Base):
+    """One server process start: the prefix of every future id it issues."""
+
+    __tablename__ = "server_instances"
+    id: Mapped[str] = mapped_column(String, primary_key=True)
+    started: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=now)
+
+
 class SamplingSessionRow(Base):
     __tablename__ = "sampling_sessions"
     id: Mapped[str] = mapped_column(String, primary_key=True)
@@ -141,26 +151,38 @@ class Store:
         with self.session() as s:
             return len(list(s.scalars(select(cls.id if hasattr(cls, "id") else cls.tinker_path))))
 
-    def finish(self, future_id: str, *, result: Any = None, proto: bytes | None = None, seconds: float = 0.0) -> None:
-        self.update(
-            FutureRow,
-            future_id,
-            status=DONE,
-            result_json=None if proto is not None else json.dumps(result),
-            result_proto=proto,
-            finished=now(),
-            seconds=seconds,
-        )
-
-    def fail(self, future_id: str, error: str, category: str) -> None:
-        self.update(FutureRow, future_id, status=FAILED, error=error, category=category, finished=now())
-
-    def fail_unfinished(self) -> int:
-        """Mark every queued or running future failed (the process that held them is gone)."""
+    def put(self, rows: list[Base]) -> None:
+        """Insert or replace ``rows`` (by primary key) in one transaction."""
         with self._lock, self.session() as s:
-            rows = list(s.scalars(select(FutureRow).where(FutureRow.status.in_((PENDING, RUNNING)))))
             for row in rows:
-                row.status, row.category, row.finished = FAILED, "server", now()
-                row.error = "the server stopped before this request finished; it did not run to completion"
+                s.merge(row)
             s.commit()
-            return len(rows)
+
+    def finish(self, outcomes: list[tuple[FutureRow, dict[str, Any]]]) -> None:
+        """Write finished futures (each a pending row, not in the database, and the columns
+        ``done`` or ``failed`` gives) in ONE transaction, one fsync for a whole sampling batch, and
+        touch the model each belongs to. The pending rows are left as they are (still pending)."""
+        with self._lock, self.session() as s:
+            stamp = now()
+            for pending, values in outcomes:
+                row = FutureRow(**{c: getattr(pending, c) for c in ("id", "owner", "model_id", "kind", "sampling_session", "created")},
+                                **values, finished=stamp)
+                s.add(row)
+                model = s.get(ModelRow, row.model_id) if row.model_id else None
+                if model is not None:
+                    model.last_request = stamp
+            s.commit()
+
+    def is_recorded_instance(self, instance_id: str) -> bool:
+        return self.get(InstanceRow, instance_id) is not None
+
+
+def done(*, result: Any = None, proto: bytes | None = None, seconds: float = 0.0) -> dict[str, Any]:
+    """A finished future's columns: its result (JSON or protobuf bytes) and its run time."""
+    return {"status": DONE, "result_json": None if proto is not None else json.dumps(result), "result_proto": proto,
+            "seconds": seconds}
+
+
+def failed(error: str, category: str) -> dict[str, Any]:
+    return {"status": FAILED, "error": error, "category": category}
+

@@ -38,8 +38,11 @@ from skyrl_tinker.losses import compute_loss
 ADAPTER_FILE = "adapter.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 META_FILE = "adapter.json"
-# Datums per forward pass: logits are [datums, length, vocab] floats, so a mini-batch is split.
-MICRO_BATCH = 8
+# Logit entries (rows x padded length x vocab) per forward pass: the logits and their softmax
+# gradients dominate a pass's memory, so a mini-batch is split where they would pass this many
+# (64 Mi fp32 entries, 256 MiB). Fewer, larger passes are faster: a tiny model's 64-datum batch
+# is one pass, SmolLM2's (49k vocab) about four.
+MICRO_BATCH_LOGITS = 1 << 26
 
 
 @attrs.frozen
@@ -72,6 +75,8 @@ class Adapter:
 
 
 class LoraTrainer:
+    next_token_targets_only = False  # any per-position targets
+
     def __init__(self, model_dir: str) -> None:
         keep_freed_memory()
         self.model = load_causal_lm(ModelConfig(path=model_dir))
@@ -97,6 +102,9 @@ class LoraTrainer:
         params = lora.adapter_parameters(self.model, name)
         optimizer = torch.optim.AdamW(params, lr=0.0)
         self.adapters[name] = Adapter(name, rank, alpha, groups, seed, optimizer)
+
+    def close(self) -> None:
+        """(Adapters live in this process's memory: nothing else to free.)"""
 
     def remove(self, name: str) -> None:
         self.adapters.pop(name, None)
@@ -153,7 +161,9 @@ class LoraTrainer:
                     if isinstance(value, torch.nn.Parameter):
                         value.requires_grad_(True)
                 for name, merged in lora.merged_weights(self.base_weights(), tensors):
-                    base_layer = layers[name[: -len(".weight")]].get_base_layer()
+                    module_name = name[: -len(".weight")]
+                    # (a plain linear layer when the adapters live elsewhere: BackendLoraTrainer)
+                    base_layer = layers[module_name].get_base_layer() if module_name in layers else self.model.get_submodule(module_name)
                     swapped.append((base_layer, base_layer._parameters.pop("weight")))
                     base_layer.weight = merged  # a plain tensor attribute, read by the layer's forward
             yield
@@ -162,14 +172,25 @@ class LoraTrainer:
                 del base_layer.weight
                 base_layer.register_parameter("weight", weight)
 
+    def _micro_batches(self, examples: Sequence[Example]) -> Iterator[Sequence[Example]]:
+        """Consecutive runs of ``examples`` whose padded logits fit ``MICRO_BATCH_LOGITS`` (at least one datum each)."""
+        start, longest = 0, 0
+        for end, example in enumerate(examples):
+            longest_with = max(longest, len(example.tokens))
+            if end > start and (end - start + 1) * longest_with * self.vocab_size > MICRO_BATCH_LOGITS:
+                yield examples[start:end]
+                start, longest_with = end, len(example.tokens)
+            longest = longest_with
+        if start < len(examples):
+            yield examples[start:]
+
     def _run(
         self, examples: Sequence[Example], loss_fn: str, loss_config: dict[str, Any] | None, *, backward: bool
     ) -> tuple[list[np.ndarray], dict[str, float]]:
         outputs: list[np.ndarray] = []
         total = 0.0
         summed: dict[str, float] = {}
-        for start in range(0, len(examples), MICRO_BATCH):
-            part = examples[start : start + MICRO_BATCH]
+        for part in self._micro_batches(examples):
             ids, mask, inputs = self._pad(part)
             with torch.set_grad_enabled(backward), site_scope("trainer_forward" if backward else "trainer_score"):
                 logprobs = self._logprobs(ids, mask, inputs["target_tokens"])

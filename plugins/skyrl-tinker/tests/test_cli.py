@@ -1,0 +1,20 @@
+"""``skyrl tinker serve`` refuses what it cannot do before loading anything."""
+
+from click.testing import CliRunner
+
+from skyrl_tinker.cli import tinker_group
+
+
+def test_serve_refuses_megatron_and_unknown_backends(tmp_path):
+    runner = CliRunner()
+    result = runner.invoke(tinker_group, ["serve", "--model", str(tmp_path), "--backend", "megatron"])
+    assert result.exit_code == 2 and "LoRA is not built in the Megatron backend" in result.output
+    result = runner.invoke(tinker_group, ["serve", "--model", str(tmp_path), "--backend", "deepspeed"])
+    assert result.exit_code == 2 and "'deepspeed': allowed: fsdp" in result.output
+
+
+def test_serve_refuses_bad_engine_options_naming_the_key(tmp_path):
+    result = CliRunner().invoke(tinker_group, ["serve", "--model", str(tmp_path), "--engine", "torch", "--engine-option", "no_such_key=1"])
+    assert result.exit_code == 2 and "no_such_key" in result.output
+    result = CliRunner().invoke(tinker_group, ["serve", "--model", str(tmp_path), "--engine-option", "justakey"])
+    assert result.exit_code == 2 and "expected KEY=VALUE" in result.output
