@@ -380,7 +380,7 @@ def _collect_rollouts(
     generated = batches = 0
     while True:
         batches += 1
-        tag = (step,) if batches == 1 else (step, batches)  # the first batch keeps the seed it had before
+        tag = (step,) if batches == 1 else (step, batches)  # the first batch: the step's own seed, as without resampling
         new = generate(sampler.next_rows(want), request_seed(cfg.trainer.seed, "train", *tag),
                        ".".join(map(str, tag)) + ":")
         trajectories += new
