@@ -49,19 +49,11 @@ import pytest
 import torch
 
 from skyrl_core.config.schema import ModelConfig
+from skyrl_core.testing import backend_contract
 from skyrl_core.types import GeneratedSample, GenerationRequest, SamplingParams
 
 TINY_QWEN3 = {
-    "model_type": "qwen3",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "vocab_size": 512,
-    "max_position_embeddings": 256,
-    "tie_word_embeddings": True,
+    **backend_contract.TINY_QWEN3,
     # Larger than the default 0.02 so that next-token distributions are peaked rather than
     # near-uniform: argmax gaps far above float noise, seeds that visibly matter.
     "initializer_range": 0.2,

@@ -3,19 +3,12 @@
 from skyrl_core.testing.backend_contract import TINY_LLAMA, TINY_QWEN3
 
 TINY_QWEN3_MOE = {
+    **TINY_QWEN3,
     "model_type": "qwen3_moe",
-    "hidden_size": 64,
-    "intermediate_size": 128,
     "moe_intermediate_size": 32,
     "num_experts": 4,
     "num_experts_per_tok": 2,
     "norm_topk_prob": True,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "vocab_size": 512,
-    "max_position_embeddings": 256,
     "tie_word_embeddings": False,
 }
 
