@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from skyrl_core.config.schema import Config
 
 
 def distillation_advantages(
@@ -39,7 +42,7 @@ def _vocab_size(model: Any) -> int | None:
     return data.get("vocab_size", (data.get("text_config") or {}).get("vocab_size"))
 
 
-def teacher_problems(cfg: Any) -> list[str]:
+def teacher_problems(cfg: Config) -> list[str]:
     """Why ``algorithm.distillation.teacher`` cannot teach this student (empty: it can): it must be
     a Hugging Face model directory with the student's vocabulary (token ids are compared one to one)."""
     from skyrl_core.config.schema import ModelConfig

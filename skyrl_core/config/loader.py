@@ -13,7 +13,7 @@ import math
 import os
 import types
 import typing
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import attrs
 import cattrs
@@ -21,6 +21,9 @@ import yaml
 
 from skyrl_core.config.errors import ConfigError, ConfigIssue, show, suggest
 from skyrl_core.config.schema import Config, EngineConfig, Selection
+
+if TYPE_CHECKING:
+    from skyrl_core.plugins.manager import SkyrlPluginManager
 
 # Which registry kind each selectable section chooses from.
 SELECTIONS: dict[str, str] = {
@@ -93,7 +96,7 @@ CONVERTER = _strict_converter()
 class _Walker:
     """Structures plain data into attrs classes, collecting ``ConfigIssue``s instead of stopping."""
 
-    def __init__(self, plugin_manager: Any = None) -> None:
+    def __init__(self, plugin_manager: SkyrlPluginManager | None = None) -> None:
         self.pm = plugin_manager
         self.issues: list[ConfigIssue] = []
 
@@ -337,7 +340,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return out
 
 
-def structure_config(data: dict[str, Any], *, plugin_manager: Any = None, source: str | None = None) -> Config:
+def structure_config(data: dict[str, Any], *, plugin_manager: SkyrlPluginManager | None = None,
+                     source: str | None = None) -> Config:
     """Validate plain data into a ``Config``; every problem is reported at once."""
     if plugin_manager is None:
         from skyrl_core.plugins.manager import get_plugin_manager
@@ -391,7 +395,7 @@ def structure_config(data: dict[str, Any], *, plugin_manager: Any = None, source
     )
 
 
-def _check_loggers(walker: _Walker, names: tuple[str, ...], plugin_manager: Any) -> None:
+def _check_loggers(walker: _Walker, names: tuple[str, ...], plugin_manager: SkyrlPluginManager) -> None:
     """``trainer.loggers``: registered names (``skyrl_register_loggers``), each at most once."""
     registered = plugin_manager.registry.names("logger")
     for i, name in enumerate(names):
@@ -411,7 +415,8 @@ def _default_selection(dotted: str) -> Selection:
     return field.default.factory()
 
 
-def load_config(path: str | None, overrides: list[str] | None = None, *, plugin_manager: Any = None) -> Config:
+def load_config(path: str | None, overrides: list[str] | None = None, *,
+                plugin_manager: SkyrlPluginManager | None = None) -> Config:
     """The validated config from a YAML file (or nothing) plus dotted overrides. Relative paths
     are made absolute: the file's against its directory, the overrides' against the current one
     (see ``skyrl_core.config.paths``)."""

@@ -17,12 +17,14 @@ from skyrl_core.ops.vocabulary import OPS, ROLE_SITES, SITES, current_site
 from skyrl_core.plugins.records import OpImplSpec
 
 if TYPE_CHECKING:
+    from skyrl_core.plugins.manager import SkyrlPluginManager
     import torch
 
 __all__ = ["DEFAULT_IMPLS", "install_op", "prepare_model", "token_logprobs"]
 
 
-def install_op(op: str, site: str, impl: OpImplSpec | None = None, *, plugin_manager: Any = None) -> OpImplSpec:
+def install_op(op: str, site: str, impl: OpImplSpec | None = None, *,
+               plugin_manager: SkyrlPluginManager | None = None) -> OpImplSpec:
     """Return the implementation of ``op`` to install at ``site``, as decided by the hook."""
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; ops are {', '.join(OPS)}")
@@ -36,7 +38,7 @@ def install_op(op: str, site: str, impl: OpImplSpec | None = None, *, plugin_man
 
 
 def prepare_model(
-    model: Any, role: str, *, plugin_manager: Any = None, compute_dtype: Any = None, defaults: Mapping[str, OpImplSpec] | None = None,
+    model: Any, role: str, *, plugin_manager: SkyrlPluginManager | None = None, compute_dtype: Any = None, defaults: Mapping[str, OpImplSpec] | None = None,
     patcher: Callable[[Any, OpLedger], None] | None = None,
 ) -> OpLedger:
     """Install every op at every site of ``role`` for ``model``; return the ledger.

@@ -8,9 +8,12 @@ never imports torch, vllm, sglang or megatron.
 from __future__ import annotations
 
 import importlib
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
+
+if TYPE_CHECKING:
+    from skyrl_core.config.schema import Config
 
 
 def _check_import_path(instance: Any, attribute: attrs.Attribute, value: str | None) -> None:
@@ -55,7 +58,7 @@ class ComponentSpec:
     def load_factory(self) -> Any:
         return import_object(self.factory)
 
-    def preflight_problems(self, config: Any, options: Any) -> list[str]:
+    def preflight_problems(self, config: Config, options: Any) -> list[str]:
         if self.preflight is None:
             return []
         return [str(p) for p in import_object(self.preflight)(config, options) or ()]

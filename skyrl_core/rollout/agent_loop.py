@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import hashlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import attrs
 
 from skyrl_core.rollout.chat import ChatCodec
 from skyrl_core.rollout.trajectory import Segment, Trajectory
 from skyrl_core.types import GeneratedSample, GenerationRequest, SamplingParams
+
+if TYPE_CHECKING:
+    from skyrl_core.plugins.manager import SkyrlPluginManager
+    from skyrl_core.interfaces import InferenceEngine
 
 
 class RolloutError(ValueError):
@@ -50,7 +54,7 @@ class EnvironmentFactory:
     (validated here).
     """
 
-    def __init__(self, plugin_manager: Any, default_name: str, default_options: Any = None) -> None:
+    def __init__(self, plugin_manager: SkyrlPluginManager, default_name: str, default_options: Any = None) -> None:
         self.pm = plugin_manager
         self.default_name = default_name
         self.default_options = default_options
@@ -83,7 +87,7 @@ class RolloutGenerator:
 
     def __init__(
         self,
-        engine: Any,
+        engine: InferenceEngine,
         codec: ChatCodec,
         make_env: Callable[[str], Any],
         *,

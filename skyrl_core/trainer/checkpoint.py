@@ -26,9 +26,13 @@ import os
 import re
 import shutil
 import tempfile
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from skyrl_core.rng_state import capture_rng_state, restore_rng_state
+
+if TYPE_CHECKING:
+    from skyrl_core.interfaces import TrainingBackend
+    from skyrl_core.trainer.critic import Critic
 
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"
@@ -48,7 +52,7 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:06d}"
 
 
-def save_checkpoint(output_dir: str, step: int, backend: Any, trainer_state: dict[str, Any],
+def save_checkpoint(output_dir: str, step: int, backend: TrainingBackend, trainer_state: dict[str, Any],
                     critic: Any = None) -> str:
     """Write the checkpoint of ``step`` (with ``critic``'s state if given) and point ``latest`` at
     it; return its path."""
@@ -116,7 +120,7 @@ def read_trainer_state(path: str) -> dict[str, Any]:
     return state
 
 
-def load_checkpoint(path: str, backend: Any, critic: Any = None) -> dict[str, Any]:
+def load_checkpoint(path: str, backend: TrainingBackend, critic: Critic | None = None) -> dict[str, Any]:
     """Restore the backend (and ``critic`` if given) and this process's RNG from checkpoint ``path``;
     return the trainer state."""
     from skyrl_core.state_file import load_state

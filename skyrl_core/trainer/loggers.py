@@ -16,11 +16,14 @@ them), so a logger never sees one metric twice for one step.
 from __future__ import annotations
 
 import math
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from skyrl_core.config.errors import ConfigError, ConfigIssue
 from skyrl_core.plugins import hookimpl
 from skyrl_core.plugins.records import LoggerSpec
+
+if TYPE_CHECKING:
+    from skyrl_core.config.schema import Config
 
 
 class MetricsSink(Protocol):
@@ -29,7 +32,7 @@ class MetricsSink(Protocol):
     def close(self) -> None: ...
 
 
-def selected_loggers(config: Any) -> tuple[str, ...]:
+def selected_loggers(config: Config) -> tuple[str, ...]:
     """The names in ``config.trainer.loggers`` (any config with a ``trainer`` section)."""
     return tuple(getattr(getattr(config, "trainer", None), "loggers", ()) or ())
 
@@ -64,7 +67,7 @@ class LoggerPlugin:
         register(self.spec)
 
     @hookimpl
-    def skyrl_on_run_start(self, config: Any, run_dir: str) -> None:
+    def skyrl_on_run_start(self, config: Config, run_dir: str) -> None:
         self._close()
         if self.spec.name not in selected_loggers(config):
             return

@@ -117,7 +117,8 @@ def _check_env_classes(issues: list[ConfigIssue], key: str, rows: list[dict[str,
         ))
 
 
-def _check_rows_follow_environment(issues: list[ConfigIssue], key: str, rows: list[dict[str, Any]], cfg: Any) -> None:
+def _check_rows_follow_environment(issues: list[ConfigIssue], key: str, rows: list[dict[str, Any]],
+                                   cfg: Config) -> None:
     """Rows run in ``environment.name`` (with its options); a row naming another environment is
     refused unless ``data.env_class_from_rows`` says each row picks its own."""
     default = cfg.environment.name
@@ -231,7 +232,8 @@ def prepare_output_dir(cfg: Config, resume_from: str | None) -> str:
     return run_dir
 
 
-def check_eval_inputs(cfg: Any, checkpoint: str | None, *, plugin_manager: Any = None) -> tuple[list[dict[str, Any]], str | None]:
+def check_eval_inputs(cfg: Config, checkpoint: str | None, *, plugin_manager: SkyrlPluginManager | None = None,
+                      ) -> tuple[list[dict[str, Any]], str | None]:
     """What ``skyrl eval`` needs: the eval rows (``data.eval``, first ``data.eval_size``) and the
     checkpoint directory ``checkpoint`` resolves to (None: the model as configured). Raises
     ``ConfigError`` listing every problem; ``data.train`` and the output directory are not looked at."""
