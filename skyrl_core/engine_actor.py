@@ -12,7 +12,9 @@ failed is made again. ``engine.placement: separate`` runs the run's engines this
 from __future__ import annotations
 
 import os
+import threading
 import time
+import uuid
 from typing import Any, Iterable, Sequence
 
 from skyrl_core import weight_sync
@@ -107,6 +109,7 @@ class RemoteEngine:
         self._spec = (engine, model, seed, dict(resources or {}), dict(actor_options or {}))
         self._last: tuple[list[Any], int | None] | None = None  # the weights to give a restarted process
         self._version = 0
+        self._restarting, self._sending = threading.Lock(), threading.Lock()
         self._start()
 
     def _start(self) -> None:
@@ -116,7 +119,9 @@ class RemoteEngine:
 
         engine, model, seed, resources, actor_options = self._spec
         actor_class = ray.remote(num_cpus=0, max_concurrency=16, resources=resources)(EngineActor)
-        self.actor = actor_class.options(**actor_options).remote(engine, model, seed, skyrl_environment())
+        # a Ray name (skyrl-engine-0-<random>) lets tools find the process of a replica
+        self.actor = actor_class.options(name=f"skyrl-{self.name}-{uuid.uuid4().hex[:8]}", **actor_options).remote(
+            engine, model, seed, skyrl_environment())
         self._group = None
         self.pid = None
         info = self._wait(self.actor.describe.remote(), "start")
@@ -169,10 +174,11 @@ class RemoteEngine:
         self._retrying("update_from_broadcast", lambda: self._send_broadcast(tensors, version))
 
     def _send_broadcast(self, tensors: list[Any], version: int | None) -> None:
-        group = self._broadcast_group()
-        pending = self.actor.update_from_broadcast.remote(weight_sync.manifest_of(tensors), version)
-        weight_sync.send_by_broadcast(group, tensors)
-        self._wait(pending, "update_from_broadcast")
+        with self._sending:  # one update at a time over the pair (a restart may send beside the trainer)
+            group = self._broadcast_group()
+            pending = self.actor.update_from_broadcast.remote(weight_sync.manifest_of(tensors), version)
+            weight_sync.send_by_broadcast(group, tensors)
+            self._wait(pending, "update_from_broadcast")
 
     def remember(self, tensors: list[Any], version: int | None) -> None:
         if self.restart_on_failure:
@@ -205,13 +211,17 @@ class RemoteEngine:
         return self._retrying(method, lambda: self._wait(getattr(self.actor, method).remote(*args), method))
 
     def _retrying(self, method: str, call: Any) -> Any:
-        """``call()``; if the process died and ``restart_on_failure``: restart it and call once more."""
+        """``call()``; if the process died and ``restart_on_failure``: restart it and call once more.
+        (Calls from several threads may see one death: the first restarts, the others retry.)"""
+        actor = self.actor
         try:
             return call()
         except EngineProcessError:
             if not self.restart_on_failure:
                 raise
-            self.restart(f"died during {method}")
+            with self._restarting:
+                if self.actor is actor:
+                    self.restart(f"died during {method}")
             return call()
 
     def restart(self, why: str) -> None:

@@ -6,7 +6,9 @@
   1, except step 1); weights sync after every step, once that generation has finished;
 - ``fully_async``: worker threads keep up to ``trainer.fully_async.max_inflight`` trajectories in
   flight and put completed groups into a buffer; a step takes ``data.prompts_per_step`` groups from
-  it. After each optimizer step the engine is paused at a token boundary, takes the new weights in
+  it; a group starts under policy v only while at most (v + max_staleness + 1) x prompts_per_step
+  groups were started (less those dropped), so generation does not run so far ahead that its groups
+  arrive stale. After each optimizer step the engine is paused at a token boundary, takes the new weights in
   place and resumes the same requests, so one trajectory may span several policy versions. Groups
   whose oldest token is more than ``max_staleness`` versions behind the trained policy are dropped
   or regenerated (``on_stale``), and counted.
@@ -152,6 +154,12 @@ class FullyAsyncRollouts(SyncRollouts):
         self._buffer: collections.deque[tuple[dict[str, Any], list[Trajectory]]] = collections.deque()
         self._redo: collections.deque[dict[str, Any]] = collections.deque()  # stale rows to regenerate
         self._capacity = prompts_per_step * (max_staleness + 1)  # completed groups waiting, at most
+        # Staleness-aware admission: a group may start under policy v only while the groups started
+        # (less those dropped) number at most (v + max_staleness + 1) x prompts_per_step, so groups
+        # are not generated so far ahead that they are stale when trained (they would be dropped,
+        # wasted work); only a straggler overtaken by later groups can still exceed the bound.
+        self._version = generator.policy_version
+        self._admitted = self._version * prompts_per_step  # as if the steps before were generated here
         self._groups = 0
         self._dropped = 0
         self._generator_wait = 0.0
@@ -169,7 +177,8 @@ class FullyAsyncRollouts(SyncRollouts):
             while True:
                 with self._lock:
                     waited = time.perf_counter()
-                    while not self._stop and len(self._buffer) >= self._capacity:
+                    while not self._stop and (len(self._buffer) >= self._capacity or self._admitted
+                                              >= (self._version + self.max_staleness + 1) * self.prompts_per_step):
                         self._lock.wait()
                     self._generator_wait += time.perf_counter() - waited
                     if self._stop:
@@ -177,6 +186,7 @@ class FullyAsyncRollouts(SyncRollouts):
                     row = self._redo.popleft() if self._redo else self.sampler.next_rows(1)[0]
                     number = self._groups
                     self._groups += 1
+                    self._admitted += 1
                 trajectories = self.generator.generate(
                     [row], self.sampling, seed=request_seed(self.seed, "async", number), group_prefix=f"a{number}:"
                 )
@@ -206,6 +216,7 @@ class FullyAsyncRollouts(SyncRollouts):
                 oldest = min((v for t in trajectories for v in t.versions), default=trained)
                 if trained - oldest > self.max_staleness:
                     dropped += 1
+                    self._admitted -= 1  # its place goes to a fresh group
                     if self.on_stale == "regenerate":
                         self._redo.append(row)
                     continue
@@ -227,6 +238,9 @@ class FullyAsyncRollouts(SyncRollouts):
             load_policy(self.engine, self.generator, export(), step)
         finally:
             self.engine.resume()
+        with self._lock:  # a newer policy admits more groups
+            self._version = step
+            self._lock.notify_all()
 
     def sampler_state(self) -> dict[str, int]:
         # Rows of groups in flight or buffered are not replayed by a resumed run (it continues with

@@ -205,8 +205,6 @@ def train(cfg: Config, *, plugin_manager: SkyrlPluginManager | None = None) -> R
             trajectories, samples, sampling_metrics = rollouts.collect(step)
             timings["time/rollout"] = time.perf_counter() - started
             metrics: dict[str, Any] = {"step": step, **_rollout_metrics(trajectories), **sampling_metrics}
-            if hasattr(engine, "restarts"):  # separate engine processes restarted after a failure, so far
-                metrics["engine/restarts"] = float(engine.restarts)
 
             if samples:
                 batch = build_training_batch(samples, codec.pad_token_id)
@@ -293,6 +291,8 @@ def train(cfg: Config, *, plugin_manager: SkyrlPluginManager | None = None) -> R
             else:
                 metrics["skipped"] = 1.0  # every group had equal rewards: nothing to learn from
 
+            if hasattr(engine, "restarts"):  # separate engine processes restarted after a failure, so far
+                metrics["engine/restarts"] = float(engine.restarts)
             timings["time/step"] = time.perf_counter() - started
             metrics.update(timings)
 

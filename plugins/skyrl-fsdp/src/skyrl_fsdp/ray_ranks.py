@@ -49,6 +49,10 @@ class RankHost:
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.rank, method)(*args, **kwargs)
 
+    def node_id(self) -> str:
+        """The Ray node this host runs on (where a placement group put it)."""
+        return ray.get_runtime_context().get_node_id()
+
     def stop(self) -> None:
         if self.rank is not None:
             self.rank.close()
