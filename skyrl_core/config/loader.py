@@ -366,7 +366,10 @@ def structure_config(data: dict[str, Any], *, plugin_manager: SkyrlPluginManager
     chosen: dict[str, Selection | None] = {}
     for dotted, kind in SELECTIONS.items():
         if dotted in raw_selections:
-            chosen[dotted] = walker.selection(kind, raw_selections[dotted], dotted)
+            raw = raw_selections[dotted]
+            if isinstance(raw, Mapping) and "name" not in raw:  # `engine.placement=separate` alone: the default's name
+                raw = {"name": _default_selection(dotted).name, **raw}
+            chosen[dotted] = walker.selection(kind, raw, dotted)
         else:
             default = _default_selection(dotted)
             chosen[dotted] = walker.selection(kind, attrs.asdict(default), dotted)

@@ -67,3 +67,13 @@ def test_router_sends_new_groups_to_the_least_loaded_replica_and_keeps_episodes_
     assert router.route([req("s1:0/0"), req("s1:0/3"), req("s1:1/1")]) == [0, 0, 1]
     assert router.load == [6, 3, 2]
     assert router.route([req("s2:0")]) == [2]  # a new group: the least loaded
+
+
+def test_a_selection_key_alone_keeps_the_default_component():
+    """``engine.placement=separate`` (or ``backend.options.world_size=2``) given without a name
+    selects the default engine (backend) rather than failing for a missing name."""
+    from skyrl_core.config.loader import apply_overrides
+
+    cfg = structure_config(apply_overrides(TINY, ["engine.placement=separate", "backend.options.world_size=2"]))
+    assert (cfg.engine.name, cfg.engine.placement) == ("torch", "separate")
+    assert (cfg.backend.name, cfg.backend.options.world_size) == ("fsdp", 2)
