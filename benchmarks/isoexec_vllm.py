@@ -1,10 +1,12 @@
-"""Rollout throughput of stock vLLM-CPU without and with skyrl's op path, and of IsoExec inside
-vLLM, side by side in one run.
+"""Rollout throughput of stock vLLM-CPU, of vLLM through skyrl's bootstrap without and with its op
+path, and of IsoExec inside vLLM, side by side in one run.
 
 SmolLM2-135M-Instruct (converted by ``skyrl_core.models.prepare_smollm2``), a batch of 64
 chat-templated prompts "What is a + b?" (a, b in 0..49), up to 32 new tokens sampled at
-temperature 1, stopping at EOS. Three ``VLLMEngine``s in vLLM's default multiprocess mode:
+temperature 1, stopping at EOS. Four engines in vLLM's default multiprocess mode:
 
+- ``stock``: ``vllm.LLM`` with the engine's arguments, started without skyrl's marker, so skyrl's
+  bootstrap stays inert in its processes (built first, before any process here ran it);
 - ``op-path-off``: skyrl's bootstrap runs in vLLM's processes without its op sites
   (``SKYRL_VLLM_OP_SITES=0``): vLLM as it is;
 - ``op-path-on``: skyrl's op sites installed (``skyrl_vllm.op_sites``, the default) with nothing
@@ -13,8 +15,8 @@ temperature 1, stopping at EOS. Three ``VLLMEngine``s in vLLM's default multipro
 
 They run the same requests alternately, ``--repeats`` times each after one warm-up, so that a busy
 machine slows all alike. Each worker is bound to ``--threads`` cores (``VLLM_CPU_OMP_THREADS_BIND``).
-The last lines are the ratios of time per token: ``op-path-on / op-path-off`` (target <= 1.02) and
-``isoexec / op-path-off`` (target <= 1.5). The IsoExec engine's attestation is printed too, proving
+The last lines are the ratios of time per token: ``op-path-on / stock`` (target <= 1.02),
+``op-path-on / op-path-off`` and ``isoexec / stock`` (target <= 1.5). The IsoExec engine's attestation is printed too, proving
 its ops ran canonically.
 
     python benchmarks/isoexec_vllm.py [--repeats 3] [--threads 2] [--batch 64] [--dtype float32]
@@ -25,6 +27,37 @@ from __future__ import annotations
 import os
 
 from _common import arithmetic_prompts, bind_vllm_threads, rollout_parser, time_alternately
+
+
+class StockVLLM:
+    """``vllm.LLM`` without skyrl's marker (skyrl's bootstrap inert in its processes); generates
+    like ``VLLMEngine.generate``."""
+
+    def __init__(self, model_config, options) -> None:
+        import vllm
+        from vllm.platforms import current_platform
+
+        from skyrl_vllm.engine import engine_kwargs
+        from skyrl_vllm.model_dir import materialize_model
+
+        self._dir = __import__("tempfile").TemporaryDirectory(prefix="skyrl-bench-stock-")
+        model_dir, tokenizer_dir = materialize_model(model_config, seed=0, parent_dir=self._dir.name)
+        kwargs = engine_kwargs(options, dtype=model_config.dtype, on_cpu=current_platform.is_cpu(), sleep_available=False)
+        kwargs.pop("worker_extension_cls")
+        self._llm = vllm.LLM(model=model_dir, tokenizer=tokenizer_dir, seed=0, **kwargs)
+
+    def generate(self, requests):
+        from vllm.inputs import TokensPrompt
+
+        from skyrl_vllm.mapping import to_samples, to_vllm_sampling_params
+
+        prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_token_ids)) for r in requests]
+        outputs = self._llm.generate(prompts, [to_vllm_sampling_params(r.sampling) for r in requests], use_tqdm=False)
+        return [to_samples(request, output) for request, output in zip(requests, outputs)]
+
+    def close(self) -> None:
+        self._llm.llm_engine.engine_core.shutdown()
+        self._dir.cleanup()
 
 
 def main() -> None:
@@ -48,6 +81,10 @@ def main() -> None:
     options = VLLMOptions(kv_cache_memory_bytes=512 << 20, max_model_len=max(longest, 256), max_num_seqs=args.batch)
     engines = {}
     try:
+        from skyrl_vllm.bootstrap import MARKER
+
+        assert MARKER not in os.environ, f"unset {MARKER}: the stock engine must start without skyrl's bootstrap"
+        engines["stock"] = StockVLLM(model_config, options)
         for name, sites, isoexec in (("op-path-off", "0", False), ("op-path-on", "1", False), ("isoexec", "1", True)):
             os.environ[OP_SITES_SWITCH] = sites  # the engine's processes inherit it when they start
             with state.enabled_scope(isoexec):  # and the IsoExec switch
@@ -71,9 +108,11 @@ def main() -> None:
     )
     for name, rate in medians.items():
         print(f"  {name:12s} {rate:8.1f} tok/s")
-    off = medians["op-path-off"]
-    print(f"op-path-on / op-path-off time per token: {off / medians['op-path-on']:.3f} (target <= 1.02)")
-    print(f"isoexec / op-path-off time per token: {off / medians['isoexec']:.2f} (target <= 1.5)")
+    stock, off = medians["stock"], medians["op-path-off"]
+    print(f"op-path-on / stock time per token: {stock / medians['op-path-on']:.3f} (target <= 1.02)")
+    print(f"op-path-off / stock time per token: {stock / off:.3f}")
+    print(f"op-path-on / op-path-off time per token: {off / medians['op-path-on']:.3f}")
+    print(f"isoexec / stock time per token: {stock / medians['isoexec']:.2f} (target <= 1.5)")
 
 
 if __name__ == "__main__":

@@ -40,6 +40,10 @@ class OpDispatch:
             self.ledger.observe(op, site if impl is not None else UNSCOPED, DEFAULT_IMPLS[op].name, name)
             return None
         self.ledger.observe(op, site, impl.name, name)
+        return self.load(impl)
+
+    def load(self, impl: Any) -> Callable[..., Any]:
+        """``impl``'s callable (an ``OpImplSpec``), loaded once per dispatch."""
         fn = self._loaded.get(impl.name)
         if fn is None:
             fn = self._loaded[impl.name] = impl.load_factory()

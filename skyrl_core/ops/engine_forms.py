@@ -52,3 +52,11 @@ def routed_ops(ledger: OpLedger, engine: str) -> dict[str, list[str]]:
             if impl.name not in names:
                 names.append(impl.name)
     return routed
+
+
+def own_layer_impls(ledger: OpLedger, engine: str) -> list[str]:
+    """Names of the implementations declared at ``ledger``'s engine sites that a plugin computes
+    inside ``engine`` with its own layers (they read the engine's current site: ``site_scope``)."""
+    names = {impl.name for (_, site), impl in ledger.declared.items()
+             if site in ROLE_SITES["engine"] and not is_stock(impl) and own_layers_owner(engine, impl.name) is not None}
+    return sorted(names)

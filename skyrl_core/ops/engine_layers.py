@@ -12,7 +12,8 @@ the implementation at the current site and calls it with the op's calling conven
 - an lm_head over its ``org_vocab_size`` real rows (engines pad the vocabulary), an embedding;
 - a fused residual-add RMSNorm: ``residual + x`` rounded to the model dtype first (the trainer's
   residual add), then the op; Gemma's ``1 + weight`` (``_skyrl_unit_offset``); a gated norm;
-- ``SiluAndMul``; a neox-style rotary: cos/sin from the op, applied as transformers does.
+- ``SiluAndMul``; a neox-style rotary: cos/sin from the op (kept while the positions repeat),
+  applied as transformers does.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import torch.nn.functional as F
 from skyrl_core.ops import onednn
 from skyrl_core.ops.dispatch import OpDispatch, PatchRecord
 from skyrl_core.ops.rotary import default_inv_freq
+from skyrl_core.ops.stock import is_stock
+from skyrl_core.ops.vocabulary import ROLE_SITES
 
 
 def _pieces(layer: torch.nn.Module, fn: Callable[..., Any]) -> tuple[int, ...]:
@@ -123,23 +126,45 @@ def silu_mul_forward(module, x):
     return module._skyrl_dispatch.call("silu_mul", module, lambda: module._skyrl_stock_forward(x), lambda fn: fn(x[..., :d], x[..., d:]))
 
 
-def _rotate(module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """transformers' ``x * cos + rotate_half(x) * sin`` on the first ``rotary_dim`` channels."""
+def _swap_halves(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rotate(module, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """transformers' ``x * cos + rotate_half(x) * sin`` on the first ``rotary_dim`` channels, as
+    ``x * cos + swap_halves(x) * [-sin1, sin2]``: ``(-a) * b`` and ``a * (-b)`` round alike, so
+    the bits are transformers' with two fewer passes."""
     shape = x.shape
     x = x.view(cos.shape[0], -1, module.head_size)
     rot = x[..., : module.rotary_dim]
+    rotated = (rot * cos).add_(_swap_halves(rot).mul_(signed_sin))
+    if module.rotary_dim == module.head_size:
+        return rotated.view(shape)
+    return torch.cat((rotated, x[..., module.rotary_dim:]), dim=-1).reshape(shape)
+
+
+def _cos_signed_sin(module, fn: Callable[..., Any], positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos`` and ``[-sin1, sin2]`` ``[T, 1, rotary_dim]`` from ``fn`` for ``positions`` ``[T]``. The
+    last lookup is kept while the positions (compared by value: engines rewrite their positions
+    buffer in place) and dtype are the same: every layer of a step rotates at the same ones."""
+    last = module._skyrl_rope_last
+    if (last is not None and last[0] is fn and last[2] == dtype and last[1].shape == positions.shape
+            and torch.equal(last[1], positions)):
+        return last[3], last[4]
+    cos, sin = fn(module._skyrl_inv_freq, 1.0, positions.unsqueeze(0), dtype)
+    cos, sin = cos[0], sin[0]
     half = module.rotary_dim // 2
-    rotated = rot * cos + torch.cat((-rot[..., half:], rot[..., :half]), dim=-1) * sin
-    if module.rotary_dim != module.head_size:
-        rotated = torch.cat((rotated, x[..., module.rotary_dim:]), dim=-1)
-    return rotated.reshape(shape)
+    signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+    cos, signed = cos.unsqueeze(1), signed.unsqueeze(1)  # broadcast over heads
+    module._skyrl_rope_last = (fn, positions.clone(), dtype, cos, signed)
+    return cos, signed
 
 
 def rope_forward(module, positions, query, key=None):
     def installed(fn):
-        cos, sin = fn(module._skyrl_inv_freq, 1.0, positions.flatten().unsqueeze(0), query.dtype)
-        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [T, 1, rotary_dim]: broadcast over heads
-        return _rotate(module, query, cos, sin), None if key is None else _rotate(module, key, cos, sin)
+        cos, signed_sin = _cos_signed_sin(module, fn, positions.flatten(), query.dtype)
+        return _rotate(module, query, cos, signed_sin), None if key is None else _rotate(module, key, cos, signed_sin)
 
     return module._skyrl_dispatch.call("rope", module, lambda: module._skyrl_stock_forward(positions, query, key), installed)
 
@@ -204,10 +229,24 @@ def route_layers(model: torch.nn.Module, dispatch: OpDispatch, routed: dict[str,
         elif isinstance(module, classes.rotary) and "rope" in routed:
             if classes.plain_rotary(module) and module.is_neox_style:
                 module._skyrl_inv_freq = default_inv_freq(module.base, module.rotary_dim)
+                module._skyrl_rope_last = None
                 record.claim(module, qualname, "rope", rope_forward)
             else:  # scaled / multimodal / interleaved rotary: no mapping onto the op's convention
                 record.refuse(qualname, type(module).__name__)
     return record
+
+
+def _prepare_linears(model: torch.nn.Module, dispatch: OpDispatch, ledger: Any) -> None:
+    """Prepare every routed linear for the one linear implementation installed at the engine's
+    sites (its pieces, its prepacked weight), at load rather than in the first step; with two
+    different ones (prefill and decode) each call prepares its own."""
+    impls = {ledger.impl("linear", site) for site in ROLE_SITES["engine"]} - {None}
+    if len(impls) != 1 or is_stock(next(iter(impls))):
+        return
+    fn = dispatch.load(next(iter(impls)))
+    for module in model.modules():
+        if hasattr(module, "_skyrl_linear_fn"):
+            prepare_linear(module, fn)
 
 
 def route_model(model: torch.nn.Module, ledger: Any, routed: dict[str, list[str]], classes: LayerClasses,
@@ -220,6 +259,7 @@ def route_model(model: torch.nn.Module, ledger: Any, routed: dict[str, list[str]
 
     dispatch = attach_dispatch(model, ledger) or model._skyrl_dispatch
     record = route_layers(model, dispatch, routed, classes)
+    _prepare_linears(model, dispatch, ledger)
     if extra is not None:
         extra(dispatch, record)
     record.finish(ledger, architecture=type(model).__name__, routed={op: names for op, names in sorted(routed.items())}, **meta)

@@ -47,3 +47,36 @@ def test_ops_over_vllms_own_state_are_refused_without_own_layers(op):
     assert len(problems) == 1
     assert problems[0].startswith(f"{op} implementation plugin.{op} has no vLLM layers of its own")
     assert refusals(routed_ops(_ledger(linear="counting.linear"))) == []
+
+
+def test_a_plugins_own_layer_implementations_are_listed_for_the_engine():
+    # With only own-layer implementations installed nothing is routed, but the engine still names its
+    # steps' sites (op_sites' load_model), which those layers read.
+    engine_forms.declare_own_layers("vllm", ["own.attention"], "test-plugin")
+    try:
+        ledger = _ledger(attention="own.attention", linear="counting.linear")
+        assert engine_forms.own_layer_impls(ledger, "vllm") == ["own.attention"]
+        assert engine_forms.own_layer_impls(ledger, "sglang") == []
+        assert engine_forms.own_layer_impls(_ledger(linear="counting.linear"), "vllm") == []
+    finally:
+        engine_forms.forget_own_layers("vllm", "test-plugin")
+
+
+def test_vllms_dummy_runs_are_left_out_of_the_ledger():
+    from types import SimpleNamespace
+
+    from skyrl_vllm.op_sites import _unobserved
+
+    ledger = _ledger(linear="counting.linear")
+    runner = SimpleNamespace(model=SimpleNamespace(_skyrl_dispatch=SimpleNamespace(ledger=ledger)))
+    ledger.observe("linear", "engine_decode", "counting.linear", "model.layers.0.mlp.down_proj")
+
+    def dummy_run(tokens):
+        ledger.observe("linear", "unscoped", "torch.linear", "model.layers.0.mlp.down_proj")
+        return tokens * 2
+
+    assert _unobserved(runner, dummy_run)(3) == 6
+    assert dict(ledger.observed) == {("linear", "engine_decode", "counting.linear"): 1}
+    assert ledger.ran_modules == {("engine_decode", "model.layers.0.mlp.down_proj")}
+    ledger.observe("linear", "unscoped", "torch.linear")  # a call outside a step, not a dummy run: kept
+    assert ledger.as_dict()["model"]["unscoped_calls"] == {"linear": 1}

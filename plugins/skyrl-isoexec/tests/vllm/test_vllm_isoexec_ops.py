@@ -1,4 +1,6 @@
-"""Each vLLM-side replacement computes the trainer's bits, op by op (no engine started).
+"""Each op IsoExec computes inside vLLM gives the trainer's bits, op by op (no engine started):
+vLLM's layers routed by skyrl-vllm's op sites to IsoExec's installed ops, and IsoExec's own
+paged attention.
 
 The reference is what the trainer's transformers model computes at that op with IsoExec on; the
 negative control is vLLM's own op on the same inputs (which differs, so each test can fail).
@@ -29,12 +31,29 @@ def vllm_modules():
         yield
 
 
+def _routed(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` (one of vLLM's layers) routed as skyrl-vllm's op sites route a built model, to the
+    implementations installed with IsoExec on; call it inside ``site_scope("engine_prefill")``."""
+    from skyrl_core.ops import prepare_model
+    from skyrl_core.ops.dispatch import attach_dispatch
+    from skyrl_core.ops.engine_layers import route_layers
+    from skyrl_vllm.op_sites import layer_classes, routed_ops
+
+    holder = torch.nn.Module()
+    holder.layer = module
+    with state.enabled_scope(True):
+        ledger = prepare_model(None, "engine")
+    record = route_layers(holder, attach_dispatch(holder, ledger), routed_ops(ledger), layer_classes())
+    assert record.named == ["layer"] and record.unpatched == []
+    return module
+
+
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_rotary_matches_the_trainers_transformers_rotary(vllm_modules, family, dtype):
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 
-    from skyrl_isoexec.vllm.layers import IsoExecRotaryEmbedding
+    from skyrl_core.ops import site_scope
 
     model, _ = build_model(family, dtype, enabled=True, wide=True)
     attn = model.model.layers[0].self_attn
@@ -52,9 +71,10 @@ def test_rotary_matches_the_trainers_transformers_rotary(vllm_modules, family, d
     want_q, want_k = modeling.apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
     want_q, want_k = want_q[0].transpose(0, 1), want_k[0].transpose(0, 1)
 
-    iso = IsoExecRotaryEmbedding(dim, dim, 1024, theta, True, torch_dtype)
-    assert int((bits(iso._isoexec_inv_freq) != bits(rotary.inv_freq)).sum()) == 0
-    got_q, got_k = iso(positions, q.reshape(len(positions), -1), k.reshape(len(positions), -1))
+    routed = _routed(RotaryEmbedding(dim, dim, 1024, theta, True, torch_dtype))
+    assert int((bits(routed._skyrl_inv_freq) != bits(rotary.inv_freq)).sum()) == 0
+    with site_scope("engine_prefill"):
+        got_q, got_k = routed(positions, q.reshape(len(positions), -1), k.reshape(len(positions), -1))
     assert int((bits(got_q.view_as(q)) != bits(want_q)).sum()) == 0
     assert int((bits(got_k.view_as(k)) != bits(want_k)).sum()) == 0
     if dtype == "bfloat16":  # vLLM's own (C++) CPU rotary rounds differently
@@ -64,23 +84,26 @@ def test_rotary_matches_the_trainers_transformers_rotary(vllm_modules, family, d
 
 
 def test_rotary_keeps_its_lookup_only_for_the_same_positions(vllm_modules):
-    # The rotary module keeps the cos/sin of its last positions (the layers of a step share them);
+    # A routed rotary keeps the cos/sin of its last positions (the layers of a step share them);
     # other positions, even of the same count and in a reused buffer, must be looked up again.
-    from skyrl_isoexec.vllm.layers import IsoExecRotaryEmbedding
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    from skyrl_core.ops import site_scope
 
     heads, dim = 4, 32
     buffer = torch.tensor([3, 9, 27, 81, 5])
     q = torch.randn(5, heads * dim, generator=_gen(0))
     k = torch.randn(5, 2 * dim, generator=_gen(1))
-    iso = IsoExecRotaryEmbedding(dim, dim, 1024, 10000.0, True, torch.float32)
-    first = iso(buffer, q, k)
-    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(first, iso(buffer, q, k)))
-    buffer.copy_(torch.tensor([4, 9, 27, 81, 6]))  # vLLM rewrites its positions buffer in place
-    moved_q, moved_k = iso(buffer, q, k)
-    fresh_q, fresh_k = IsoExecRotaryEmbedding(dim, dim, 1024, 10000.0, True, torch.float32)(buffer, q, k)
-    assert torch.equal(bits(moved_q), bits(fresh_q)) and torch.equal(bits(moved_k), bits(fresh_k))
-    assert not torch.equal(bits(moved_q), bits(first[0]))
-    only_q, no_key = iso(buffer, q)
+    routed = _routed(RotaryEmbedding(dim, dim, 1024, 10000.0, True, torch.float32))
+    with site_scope("engine_prefill"):
+        first = routed(buffer, q, k)
+        assert all(torch.equal(bits(a), bits(b)) for a, b in zip(first, routed(buffer, q, k)))
+        buffer.copy_(torch.tensor([4, 9, 27, 81, 6]))  # vLLM rewrites its positions buffer in place
+        moved_q, moved_k = routed(buffer, q, k)
+        fresh_q, fresh_k = _routed(RotaryEmbedding(dim, dim, 1024, 10000.0, True, torch.float32))(buffer, q, k)
+        assert torch.equal(bits(moved_q), bits(fresh_q)) and torch.equal(bits(moved_k), bits(fresh_k))
+        assert not torch.equal(bits(moved_q), bits(first[0]))
+        only_q, no_key = routed(buffer, q)
     assert no_key is None and torch.equal(bits(only_q), bits(fresh_q))
 
 
@@ -89,7 +112,6 @@ def test_rms_norm_rounds_the_residual_add_like_the_trainer(vllm_modules, dtype):
     from vllm.model_executor.layers.layernorm import RMSNorm
 
     from skyrl_core.ops import site_scope
-    from skyrl_isoexec.vllm.layers import IsoExecRMSNorm
 
     model, _ = build_model("qwen3", dtype, enabled=True, wide=True)
     hf_norm = model.model.layers[0].post_attention_layernorm  # patched by prepare_model
@@ -101,12 +123,15 @@ def test_rms_norm_rounds_the_residual_add_like_the_trainer(vllm_modules, dtype):
         summed = residual + x  # the decoder layer's residual add, in the model dtype
         want = hf_norm(summed)
 
-    iso = IsoExecRMSNorm(hidden, eps=hf_norm.variance_epsilon, dtype=torch_dtype)
-    iso.weight.data.copy_(hf_norm.weight.data)
-    got, got_residual = iso(x, residual)
+    routed = RMSNorm(hidden, eps=hf_norm.variance_epsilon, dtype=torch_dtype)
+    routed.weight.data.copy_(hf_norm.weight.data)
+    _routed(routed)
+    with torch.no_grad(), site_scope("engine_prefill"):
+        got, got_residual = routed(x, residual)
+        alone = routed(summed)
     assert int((bits(got) != bits(want)).sum()) == 0
     assert int((bits(got_residual) != bits(summed)).sum()) == 0
-    assert int((bits(iso(summed)) != bits(want)).sum()) == 0
+    assert int((bits(alone) != bits(want)).sum()) == 0
     stock = RMSNorm(hidden, eps=hf_norm.variance_epsilon, dtype=torch_dtype)
     stock.weight.data.copy_(hf_norm.weight.data)
     stock_out, _ = stock.forward_native(x.clone(), residual.clone())
@@ -115,7 +140,8 @@ def test_rms_norm_rounds_the_residual_add_like_the_trainer(vllm_modules, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_full_log_softmax_gathers_to_the_trainers_token_logprobs(dtype):
-    from skyrl_isoexec.vllm.sampler import full_log_softmax
+    # vLLM's op site for the sampler calls the installed logprobs' full_log_softmax form.
+    full_log_softmax = logprobs.logprobs.full_log_softmax
 
     logits = (torch.randn(70, 49152, generator=_gen(0)) * 4).to(dtype)
     ids = torch.randint(0, 49152, (70,), generator=_gen(1))
@@ -124,7 +150,7 @@ def test_full_log_softmax_gathers_to_the_trainers_token_logprobs(dtype):
         got = full_log_softmax(logits[rows]).gather(-1, ids[rows, None])[:, 0]
         assert int((bits(got) != bits(want[rows])).sum()) == 0
     # Since logprobs v2 the canonical log-softmax is torch's, which vLLM's own compute_logprobs
-    # also calls: the override pins the op to the contract and attests it, the bits agree.
+    # also calls: routing pins the op to the contract and attests it, the bits agree.
     stock = torch.log_softmax(logits, -1, dtype=torch.float32).gather(-1, ids[:, None])[:, 0]  # vLLM's own
     assert int((bits(stock) != bits(want)).sum()) == 0
     # Control: another exact formula of the same value rounds differently on almost every row.
@@ -134,11 +160,15 @@ def test_full_log_softmax_gathers_to_the_trainers_token_logprobs(dtype):
 
 
 def test_prepacked_weights_give_the_canonical_linear_bits():
-    # vLLM's fp32 linears compute from a weight reordered once for oneDNN (``linear._prepack``):
-    # the canonical GEMM's own kernel without its per-call reorder. Every row count (padded to 8
-    # by the canonical linear), 1 and 2 threads, SmolLM2's and the presets' shapes.
+    # vLLM's routed fp32 linears compute from a weight reordered once for oneDNN
+    # (``onednn.prepack_if_same_bits``, called by skyrl-vllm's op sites): the canonical GEMM's own
+    # kernel without its per-call reorder. Every row count (padded to 8 by the canonical linear),
+    # 1 and 2 threads, SmolLM2's and the presets' shapes.
+    from skyrl_core.ops.onednn import prepack_if_same_bits
     from skyrl_isoexec.kernels import linear as canonical
-    from skyrl_isoexec.vllm.linear import _prepack
+
+    def _prepack(weight):
+        return prepack_if_same_bits(weight, canonical.linear)
 
     before = torch.get_num_threads()
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576), (256, 64), (64, 128)]

@@ -104,20 +104,27 @@ def test_the_vllm_engine_refuses_before_starting_its_processes(monkeypatch, tmp_
 
 def test_model_inspection_names_modules_without_a_canonical_op():
     from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.activation import SiluAndMul
     from vllm.model_executor.layers.layernorm import RMSNorm
 
-    from skyrl_isoexec.vllm.checks import inspect_model
-    from skyrl_isoexec.vllm.layers import IsoExecRMSNorm, IsoExecSiluAndMul
+    from skyrl_core.ops import prepare_model
+    from skyrl_core.ops.engine_layers import route_model
+    from skyrl_isoexec.vllm.checks import IsoExecRefusal, inspect_model, routed_ledger
+    from skyrl_vllm.op_sites import layer_classes, routed_ops
 
     with set_current_vllm_config(VllmConfig()):
         model = torch.nn.Module()
-        with state.enabled_scope(True):
-            model.act = IsoExecSiluAndMul()
-            model.norm = torch.nn.Module.__new__(RMSNorm)  # vLLM's own class (a rival's swap, say)
-            RMSNorm.__init__(model.norm, 8)
-        with state.enabled_scope(False):
-            model.norm_off = IsoExecRMSNorm(8)  # built while IsoExec was off: vLLM's own forward
-        model.proj = torch.nn.Linear(8, 8)
-    op_modules, patched, unpatched = inspect_model(model)
+        model.act = SiluAndMul()
+        model.partial = RMSNorm(8, var_hidden_size=4)  # a norm over part of the hidden size: no canonical op
+    with pytest.raises(IsoExecRefusal, match="op sites did not route Module's layers"):
+        routed_ledger(model)  # not routed yet (skyrl-vllm's op sites off)
+    with state.enabled_scope(True):
+        ledger = prepare_model(None, "engine")
+    route_model(model, ledger, routed_ops(ledger), layer_classes())  # what skyrl-vllm's op sites do at load
+    assert routed_ledger(model) is ledger
+    with set_current_vllm_config(VllmConfig()):
+        model.norm = RMSNorm(8)  # built after routing (a rival's swap, say): vLLM's own forward
+    model.proj = torch.nn.Linear(8, 8)
+    op_modules, patched, unpatched = inspect_model(model, ledger.meta)
     assert op_modules == {"silu_mul": 1} and patched == ["act"]
-    assert unpatched == ["norm (RMSNorm)", "norm_off (IsoExecRMSNorm)", "proj (Linear)"]
+    assert unpatched == ["partial (RMSNorm)", "norm (RMSNorm)", "proj (Linear)"]

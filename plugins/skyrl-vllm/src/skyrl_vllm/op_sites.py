@@ -6,11 +6,13 @@ the current site (``skyrl_core.ops``), the way ``skyrl_core.ops.hf`` routes a tr
 model runner's ``load_model``: before vLLM builds a model, the engine's ops are installed through
 ``prepare_model(None, "engine")`` (the ``skyrl_install_op`` hook, which plugins wrap). An op is
 *routed* when a non-stock implementation is installed at one of the engine sites and no plugin
-computes it with its own vLLM layers (``skyrl_core.ops.engine_forms``). Nothing routed (the
-usual case) means nothing is patched: vLLM runs its own classes and kernels, at no cost. Otherwise
-the built model's layers are routed per instance, and every call asks the model's ``OpDispatch``
-(``skyrl_core.ops.dispatch``) for the implementation at the current site (the routed forwards are
-``skyrl_core.ops.engine_layers``, shared with skyrl-sglang):
+computes it with its own vLLM layers (``skyrl_core.ops.engine_forms``). Nothing routed and no
+plugin's own layers (the usual case) means nothing is patched: vLLM runs its own classes and
+kernels, at no cost. Otherwise the built model's layers are routed per instance, and every call
+asks the model's ``OpDispatch`` (``skyrl_core.ops.dispatch``) for the implementation at the
+current site (the routed forwards are ``skyrl_core.ops.engine_layers``, shared with skyrl-sglang).
+IsoExec is such a plugin: its canonical linear, embedding, norm, SiLU, rotary and logprobs reach
+vLLM through this table; its attention, MoE and GatedDeltaNet are its own layers.
 
 ===================================  ==========  ====================================================
 vLLM layer                           op          routed call (calling conventions: ``skyrl_core.ops.hf``)
@@ -21,16 +23,20 @@ vLLM layer                           op          routed call (calling convention
                                                  ``output_partition_sizes``, one call per piece,
                                                  unless ``fn.columns_independent``; fp32 weights
                                                  prepacked for oneDNN when ``fn`` gives the same
-                                                 bits from them (``onednn.prepack_if_same_bits``)
-``UnquantizedEmbeddingMethod.apply`` linear      lm_head over the ``org_vocab_size`` real rows, padded
+                                                 bits from them (``onednn.prepack_if_same_bits``),
+                                                 built at load for the installed linear, rebuilt
+                                                 after each in-place weight reload
+``UnquantizedEmbeddingMethod.apply`` linear      lm_head over the ``org_vocab_size`` real rows, padded;
+                                                 prepacked as a linear (a tied one rebuilt on reload)
 ``UnquantizedEmbeddingMethod.embedding`` embedding ``fn(ids, weight, None)``
 ``RMSNorm`` / ``GemmaRMSNorm``       rms_norm    ``residual + x`` rounded to the model dtype first (the
                                                  trainer's residual add), then ``fn(x, w, eps,
                                                  unit_offset, None)``
 ``RMSNormGated``                     rms_norm    ``fn(x, w, eps, False, z)`` (one group, norm before gate)
 ``SiluAndMul``                       silu_mul    ``fn(gate, up)``
-``RotaryEmbedding`` (neox style)     rope        cos/sin from ``fn(inv_freq, 1.0, positions, dtype)``,
-                                                 applied as transformers does
+``RotaryEmbedding`` (neox style)     rope        cos/sin from ``fn(inv_freq, 1.0, positions, dtype)``
+                                                 (kept while the positions repeat), applied as
+                                                 transformers does
 ``Sampler.compute_logprobs``         logprobs    ``fn.full_log_softmax(logits)`` (vLLM gathers from the
                                                  full ``[rows, vocab]`` matrix)
 ===================================  ==========  ====================================================
@@ -42,10 +48,13 @@ computing a routed op that has no mapping here (another rotary class, a quantize
 listed in ``ledger.meta["unpatched"]``.
 
 Sites: each step is ``engine_decode`` when every scheduled request has one query token, else
-``engine_prefill`` (``execute_model`` and ``sample_tokens`` run inside that ``site_scope``). Calls
-outside any step (vLLM's warm-up) are observed as unscoped and computed by the stock path; a layer
-whose weight was kept plain computes ``F.linear`` there. The ledger, with calls per site, is the
-model's ``_skyrl_op_ledger`` (what ``skyrl_attest`` returns), unless a plugin attached its own.
+``engine_prefill`` (``execute_model`` and ``sample_tokens`` run inside that ``site_scope``; a
+plugin's own layers read it too). vLLM's dummy runs (memory profiling, warm-up) compute no request:
+they run the stock path (``F.linear`` on a layer whose weight was kept plain) and are left out of
+the ledger; any other call outside a step is observed as unscoped. The ledger, with calls per
+site, is the model's ``_skyrl_op_ledger`` (what ``skyrl_attest`` returns); a plugin with its own
+layers adds to it once the model is loaded (IsoExec does, before the KV cache is set up). A
+rotary module vLLM shares between models built in one process is not reused once routed.
 """
 
 from __future__ import annotations
@@ -92,11 +101,27 @@ def _keep_plain_processing(original: Callable[..., Any]) -> Callable[..., Any]:
         if not (_keep_plain_linear[0] or getattr(layer, "_skyrl_plain", False)):
             return original(self, layer)
         layer._skyrl_plain = True  # kept for in-place reloads, which process the layer again
-        fn = getattr(layer, "_skyrl_linear_fn", None)
-        if fn is not None:
-            engine_layers.prepare_linear(layer, fn)  # the packed copy of the old weight is stale
+        _prepare_again(layer)
 
     return process_weights_after_loading
+
+
+def _reprepare_lm_head(original: Callable[..., Any]) -> Callable[..., Any]:
+    """vLLM's embedding method keeps the plain weight (its CPU kernel's packed copy is extra); a
+    routed lm_head's own packed copy is rebuilt after each (re)load, a tied one's included."""
+
+    @functools.wraps(original)
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        original(self, layer)
+        _prepare_again(layer)
+
+    return process_weights_after_loading
+
+
+def _prepare_again(layer: torch.nn.Module) -> None:
+    fn = getattr(layer, "_skyrl_linear_fn", None)
+    if fn is not None:
+        engine_layers.prepare_linear(layer, fn)  # the packed copy of the old weight is stale
 
 
 # --- the model walk --------------------------------------------------------------------------------
@@ -160,6 +185,28 @@ def _name_sites(runner: Any) -> None:
             return sample(*args, **kwargs)
 
     runner.execute_model, runner.sample_tokens = execute_model, sample_tokens
+    for name in ("_dummy_run", "_dummy_sampler_run"):
+        if hasattr(runner, name):
+            setattr(runner, name, _unobserved(runner, getattr(runner, name)))
+
+
+def _unobserved(runner: Any, dummy_run: Callable[..., Any]) -> Callable[..., Any]:
+    """vLLM's dummy runs (memory profiling, warm-up) compute no request: what they call, outside
+    any step, is left out of the ledger (a real call outside a step stays visible there)."""
+
+    @functools.wraps(dummy_run)
+    def run(*args, **kwargs):
+        ledger = runner.model._skyrl_dispatch.ledger
+        observed, ran = ledger.observed.copy(), set(ledger.ran_modules)
+        try:
+            return dummy_run(*args, **kwargs)
+        finally:
+            ledger.observed.clear()
+            ledger.observed.update(observed)
+            ledger.ran_modules.clear()
+            ledger.ran_modules.update(ran)
+
+    return run
 
 
 def route_model(runner: Any, ledger: OpLedger, routed: dict[str, list[str]]) -> None:
@@ -185,10 +232,13 @@ def _wrap_load_model(original: Callable[..., Any]) -> Callable[..., Any]:
         problems = refusals(routed)
         if problems:
             raise ValueError("skyrl cannot route vLLM's layers through the installed ops: " + "; ".join(problems))
-        if not routed:
+        _forget_routed_rotary_embeddings()
+        if not routed and not engine_forms.own_layer_impls(ledger, ENGINE):
             return original(self, *args, **kwargs)
         if "linear" in routed:
-            _wrap_once(_linear_method_class(), "process_weights_after_loading", _keep_plain_processing)
+            linear_method, embedding_method = _linear_method_classes()
+            _wrap_once(linear_method, "process_weights_after_loading", _keep_plain_processing)
+            _wrap_once(embedding_method, "process_weights_after_loading", _reprepare_lm_head)
         _keep_plain_linear[0] = "linear" in routed
         try:
             result = original(self, *args, **kwargs)
@@ -200,10 +250,21 @@ def _wrap_load_model(original: Callable[..., Any]) -> Callable[..., Any]:
     return load_model
 
 
-def _linear_method_class() -> type:
+def _linear_method_classes() -> tuple[type, type]:
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
-    return UnquantizedLinearMethod
+    return UnquantizedLinearMethod, UnquantizedEmbeddingMethod
+
+
+def _forget_routed_rotary_embeddings() -> None:
+    """vLLM shares rotary modules between the models built in one process (``get_rope``'s cache):
+    one routed for an earlier model (its forward bound to that model's dispatch) is not reused."""
+    from vllm.model_executor.layers.rotary_embedding import _ROPE_DICT
+
+    for key, module in list(_ROPE_DICT.items()):
+        if getattr(module, "_skyrl_dispatch", None) is not None:
+            del _ROPE_DICT[key]
 
 
 def _wrap_once(cls: type, name: str, wrapper: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:

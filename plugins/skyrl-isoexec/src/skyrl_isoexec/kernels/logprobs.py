@@ -24,3 +24,7 @@ def full_log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Te
 def logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """``log_softmax(logits / temperature)[token_ids]`` over the last dim, in fp32; differentiable."""
     return full_log_softmax(logits, temperature).gather(-1, token_ids.long().unsqueeze(-1)).squeeze(-1)
+
+
+# The full matrix form, for an engine that gathers every logprob it returns itself (vLLM's sampler).
+logprobs.full_log_softmax = full_log_softmax

@@ -1,15 +1,17 @@
-"""IsoExec inside vLLM: the trainer's canonical ops installed in vLLM's own processes.
+"""IsoExec inside vLLM: what computes over vLLM's own state, on the canonical kernels.
 
+vLLM's linear, lm_head, embedding, norm, SiLU-and-mul, rotary and sampler-logprob layers reach
+IsoExec's canonical kernels through skyrl-vllm's op sites (``skyrl_vllm.op_sites``), which call
+the implementations IsoExec's ``skyrl_install_op`` hook installs; nothing here replaces them.
 Importing this package imports nothing heavy; ``worker_init`` is what skyrl-isoexec's
 ``skyrl_worker_init`` hook calls. The modules below it import vLLM:
 
 - ``install``: what is installed and when (the entry point: ``install.install()``);
-- ``layers``: RMSNorm, SiluAndMul, RotaryEmbedding replacements (``CustomOp.register_oot``);
-- ``linear``: linear / lm_head / embedding methods on the canonical GEMM;
-- ``attention``: the ``CPU_ATTN`` replacement with its own KV cache;
-- ``sampler``: ``Sampler.compute_logprobs`` on the canonical log-softmax;
+- ``attention``: the ``CPU_ATTN`` replacement with its own KV cache (``CUSTOM`` on CUDA);
+- ``moe``: the MoE runner over the plain expert weights;
+- ``gdn``: Qwen3-Next's GatedDeltaNet layer over vLLM's state cache;
 - ``checks``: refusals and the inspection of the built model;
-- ``runtime``: this process's ledger and current site.
+- ``runtime``: this process's ledger and current step.
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ The canonical kernel reduces over exactly the visible keys in fixed blocks align
 sequence start, so a token's output is the same whether it was computed in a prefill, a chunk of
 one, a decode step, with a cached prefix, or in the trainer's full forward over a padded batch
 (``test_vllm_isoexec_ops.py`` compares ``attend`` with the kernel on the trainer's batch).
-The metadata builder also names the step's ledger and site (``runtime.begin_step``).
+The metadata builder also names the step's ledger (``runtime.begin_step``); the step's site is
+named by skyrl-vllm's op sites.
 """
 
 from __future__ import annotations
@@ -56,10 +57,10 @@ class IsoExecAttentionMetadata:
 
 
 def build_metadata(common, ledger) -> IsoExecAttentionMetadata:
-    """The step's metadata from vLLM's ``CommonAttentionMetadata``; names the step's site."""
+    """The step's metadata from vLLM's ``CommonAttentionMetadata``; names the step's ledger."""
     if isinstance(common.causal, torch.Tensor) or not common.causal:
         raise ValueError("IsoExec: only causal decoder attention has a canonical op")
-    runtime.begin_step(ledger, "engine_decode" if common.max_query_len == 1 else "engine_prefill")
+    runtime.begin_step(ledger)
     return IsoExecAttentionMetadata(
         num_actual_tokens=int(common.num_actual_tokens),
         num_reqs=int(common.num_reqs),

@@ -2,8 +2,9 @@
 
 Refusals are one sentence each, naming what was given and why it cannot be made bitwise equal to
 the trainer. ``config_problems`` runs on vLLM's config in the front-end (before any process
-starts) and again in the worker; ``inspect_model`` walks the model the worker built and reports
-every module that computes something without a canonical implementation.
+starts) and again in the worker; ``inspect_model`` walks the model the worker built (and
+skyrl-vllm's op sites routed) and reports every module that computes something without a
+canonical implementation.
 """
 
 from __future__ import annotations
@@ -121,35 +122,41 @@ def allowlist_problem() -> str | None:
     )
 
 
-def inspect_model(model: Any) -> tuple[dict[str, int], list[str], list[str]]:
-    """``(op_modules, patched, unpatched)`` of a model built by vLLM with IsoExec on.
+def routed_ledger(model: Any) -> Any:
+    """The op ledger skyrl-vllm's op sites attached to ``model`` when they routed it; refused
+    without one (the op sites off: vLLM's own kernels would compute the other ops)."""
+    ledger = getattr(model, "_skyrl_op_ledger", None)
+    if ledger is None or "routed" not in ledger.meta:
+        raise IsoExecRefusal([
+            f"skyrl-vllm's op sites did not route {type(model).__name__}'s layers in this process (SKYRL_VLLM_OP_SITES=0, "
+            "or not skyrl's bootstrap), so vLLM's own kernels would compute its linear, norm, rotary and logprob ops"
+        ])
+    return ledger
 
-    ``op_modules`` counts the modules computing each op canonically; ``patched`` names them (each
-    is given its name as ``_isoexec_name``, under which it records its calls, so the ledger shows
-    which ones ran at each site); ``unpatched`` names every module that computes something (an op
-    class, or parameters) without a canonical implementation.
+
+def inspect_model(model: Any, routed: dict[str, Any]) -> tuple[dict[str, int], list[str], list[str]]:
+    """``(op_modules, patched, unpatched)`` of a model built by vLLM with IsoExec on, given what
+    skyrl-vllm's op sites routed in it (``routed``: their ledger's ``meta``).
+
+    ``op_modules`` counts the modules computing each op canonically; ``patched`` names them (IsoExec's
+    own layers are given their name as ``_isoexec_name``, under which they record their calls, so
+    the ledger shows which ones ran at each site); ``unpatched`` names every module that computes
+    something (an op class, or parameters) without a canonical implementation, those the op sites
+    could not route included.
     """
     from vllm.model_executor.custom_op import CustomOp, PluggableLayer
     from vllm.model_executor.layers.attention import Attention
     from vllm.model_executor.layers.fused_moe.runner.moe_runner_interface import MoERunnerInterface
-    from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
 
     from skyrl_isoexec.vllm import gdn, moe
     from skyrl_isoexec.vllm.attention import IsoExecAttentionImpl, IsoExecCPUAttentionImpl
-    from skyrl_isoexec.vllm.layers import (
-        IsoExecGemmaRMSNorm,
-        IsoExecRMSNorm,
-        IsoExecRMSNormGated,
-        IsoExecRotaryEmbedding,
-        IsoExecSiluAndMul,
-    )
 
-    counts: dict[str, int] = {}
-    patched: list[str] = []
-    unpatched: list[str] = []
-    inside: list[str] = []  # a canonical rotary or MoE module's own helpers are never called
+    counts: dict[str, int] = dict(routed.get("op_modules", {}))
+    patched: list[str] = list(routed.get("patched_modules", []))
+    unpatched: list[str] = list(routed.get("unpatched", []))
+    inside: list[str] = []  # a rotary or MoE module's own helpers are never called
     # Modules a canonical op stands for without calling them: a MoE's gate (its weight is the
     # router's GEMM, as the trainer's router computes it; a sibling of the experts in vLLM's block),
     # a GatedDeltaNet's conv1d (the canonical causal conv's taps) and its chunked delta-rule op.
@@ -170,17 +177,20 @@ def inspect_model(model: Any) -> tuple[dict[str, int], list[str], list[str]]:
 
     for qualname, module in model.named_modules():
         name = f"{qualname or '<model>'} ({type(module).__name__})"
-        if any(qualname.startswith(prefix + ".") for prefix in inside) or id(module) in covered:
+        if any(qualname.startswith(prefix + ".") for prefix in inside):
             continue
-        canonical = getattr(module, "_isoexec", False)
-        if isinstance(module, (IsoExecRMSNorm, IsoExecGemmaRMSNorm, IsoExecRMSNormGated)) and canonical:
-            count("rms_norm")
-        elif isinstance(module, IsoExecSiluAndMul) and canonical:
-            count("silu_mul")
-        elif isinstance(module, IsoExecRotaryEmbedding) and canonical:
-            count("rope")
-            inside.append(qualname)
-        elif isinstance(module, gdn.GatedDeltaNetAttention):
+        if id(module) in covered:
+            if getattr(module, "_skyrl_name", None) in patched:  # routed as a linear, never called as one
+                patched.remove(module._skyrl_name)
+                counts["linear"] -= 1
+            continue
+        if getattr(module, "_skyrl_name", None) is not None:  # routed by the op sites
+            if isinstance(module, RotaryEmbeddingBase):
+                inside.append(qualname)
+            continue
+        if name in unpatched:  # one the op sites could not route
+            continue
+        if isinstance(module, gdn.GatedDeltaNetAttention):
             reasons = gdn.problems(module)
             if reasons:
                 unpatched.append(f"{name}: {'; '.join(reasons)}")
@@ -193,16 +203,6 @@ def inspect_model(model: Any) -> tuple[dict[str, int], list[str], list[str]]:
             else:
                 count("moe_router", "moe_experts", "moe_combine")
                 inside.append(qualname)  # its gate's weight is the router's; its experts' weights are read directly
-        elif isinstance(module, LinearBase):
-            if getattr(module, "_isoexec_pieces", None) is None:
-                unpatched.append(f"{name} with {type(module.quant_method).__name__}")
-            else:
-                count("linear")
-        elif isinstance(module, VocabParallelEmbedding):
-            if getattr(module, "_isoexec_vocab", None) is None:
-                unpatched.append(f"{name} with {type(module.quant_method).__name__}")
-            else:
-                count("linear" if isinstance(module, ParallelLMHead) else "embedding")
         elif isinstance(module, Attention):
             impl = module.impl
             if isinstance(impl, IsoExecAttentionImpl) or (isinstance(impl, IsoExecCPUAttentionImpl) and impl._isoexec):
@@ -217,3 +217,19 @@ def inspect_model(model: Any) -> tuple[dict[str, int], list[str], list[str]]:
         elif any(True for _ in module.parameters(recurse=False)):
             unpatched.append(name)
     return dict(sorted(counts.items())), sorted(patched), unpatched
+
+
+def fused_linears(model: Any) -> dict[str, list[int]]:
+    """Routed merged linears (q/k/v, gate/up) of ``model`` that run as one GEMM: name -> logical
+    piece widths (the canonical linear's columns are independent: ``columns_independent``)."""
+    fused = {}
+    for module in model.modules():
+        sizes = [int(n) for n in getattr(module, "output_partition_sizes", ()) or ()]
+        if len(sizes) > 1 and len(getattr(module, "_skyrl_pieces", ())) == 1:
+            fused[module._skyrl_name] = sizes
+    return dict(sorted(fused.items()))
+
+
+def prepacked_linears(model: Any) -> list[str]:
+    """Routed linears (and lm_head) of ``model`` computing from a weight prepacked for oneDNN."""
+    return sorted(module._skyrl_name for module in model.modules() if getattr(module, "_skyrl_packed", None) is not None)

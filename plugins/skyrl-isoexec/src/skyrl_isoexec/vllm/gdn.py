@@ -6,7 +6,8 @@ prefills and a fused recurrent one for decodes. ``IsoExecQwenGatedDeltaNetAttent
 the layer out of tree (it is a vLLM pluggable layer) and, built with IsoExec on, computes what the
 trainer's op-site forward (``skyrl_core.ops.hf_gdn``) computes:
 
-- the projections through the canonical linear (``in_proj_qkvz``, ``in_proj_ba``, ``out_proj``)
+- the projections (``in_proj_qkvz``, ``in_proj_ba``, ``out_proj``: vLLM's linears, which skyrl-vllm's
+  op sites route to the canonical linear)
   and transformers' head ordering (``fix_query_key_value_ordering``: views, exact);
 - ``kernels.gdn.conv`` and ``kernels.gdn.core`` (one recurrent form at every site, so a prefill
   and the decode steps after it perform the trainer's full-sequence operations), reading and
@@ -15,7 +16,8 @@ trainer's op-site forward (``skyrl_core.ops.hf_gdn``) computes:
   ``auto`` and refuses another). A request without an initial state starts from zeros, as the
   trainer's. ``A_log`` and ``dt_bias``, which vLLM keeps in fp32, enter in the model dtype, as the
   trainer's parameters do (a weight sync's fp32 master values would otherwise differ);
-- the output norm (``IsoExecRMSNormGated``) and the output projection.
+- the output norm (vLLM's ``RMSNormGated``, routed to the canonical ``rms_norm`` with its gate) and
+  the output projection.
 
 Decodes are computed together (the kernels' rows are independent of the batch); prefills one
 request at a time. A layer built while IsoExec is off keeps vLLM's own code.

@@ -1,24 +1,27 @@
-"""Installing IsoExec's canonical ops into vLLM in the current process (idempotent).
+"""Installing IsoExec into vLLM in the current process (idempotent).
 
-Runs from ``skyrl_worker_init(role="engine")``, which skyrl's vLLM bootstrap calls in every vLLM
-process it starts (front-end, engine core, each worker) before any model is built:
+Runs from ``skyrl_worker_init(role="engine", engine="vllm")``, which skyrl's vLLM bootstrap calls in
+every vLLM process it starts (front-end, engine core, each worker) before any model is built, after
+it installed skyrl-vllm's op sites (``skyrl_vllm.op_sites``). Linear, lm_head, embedding, the norms,
+SiLU-and-mul, rotary and the sampler's logprobs need nothing here: IsoExec's ``skyrl_install_op``
+hook installs its canonical implementations and vLLM's op sites call them. What computes over
+vLLM's own state is IsoExec's own layers (declared with ``skyrl_core.ops.engine_forms``):
 
-1. ``register_oot`` for ``RMSNorm``, ``SiluAndMul`` and ``RotaryEmbedding`` (``layers.REPLACEMENTS``),
-   and for the MoE block's ``MoERunner`` and ``UnquantizedFusedMoEMethod`` (``moe.REPLACEMENTS``);
-2. the unquantized linear / lm_head / embedding methods (``linear.install``);
-3. the ``CPU_ATTN`` attention backend (``attention.install``);
-4. ``Sampler.compute_logprobs`` (``sampler.install``);
-5. two checkpoints: vLLM's config is checked in the front-end (``EngineArgs.create_engine_config``)
-   and in the worker, and the model a worker built is inspected (``load_model``): anything IsoExec
-   cannot make identical is refused with one sentence, and the worker's op ledger (declared
-   implementations, calls per site, what is installed) is attached to the model as
-   ``_skyrl_op_ledger``, where skyrl's worker attestation RPC reads it.
+1. ``register_oot`` for the MoE block's ``MoERunner`` and ``UnquantizedFusedMoEMethod``
+   (``moe.REPLACEMENTS``) and for ``QwenGatedDeltaNetAttention`` (``gdn.REPLACEMENTS``);
+2. the ``CPU_ATTN`` attention backend (``attention.install``; vLLM's ``CUSTOM`` slot elsewhere);
+3. two checkpoints: vLLM's config is checked in the front-end (``EngineArgs.create_engine_config``)
+   and in the worker (``load_model``), and the model a worker built and skyrl-vllm routed is
+   inspected before its KV cache and attention backends are set up (``initialize_kv_cache``):
+   anything IsoExec cannot make identical is refused with one sentence, and the model's op ledger
+   (``_skyrl_op_ledger``, where skyrl's worker attestation RPC reads it) gets IsoExec's own layers'
+   modules and what is installed.
 
 Everything installed is inert for modules built while IsoExec is off: each replacement decides
-when its module is built (or its weights processed) and otherwise runs vLLM's own code. So skyrl
-installs it in every vLLM process it starts, on or off: an in-process engine (one Python process
-for trainer and vLLM, whose plugins vLLM loads only once) can then be built with IsoExec on after
-one built with it off, and the reverse.
+when its module is built and otherwise runs vLLM's own code. So skyrl installs it in every vLLM
+process it starts, on or off: an in-process engine (one Python process for trainer and vLLM,
+whose plugins vLLM loads only once) can then be built with IsoExec on after one built with it
+off, and the reverse.
 """
 
 from __future__ import annotations
@@ -29,15 +32,18 @@ from typing import Any, Callable
 from skyrl_core.ops import engine_forms
 
 from skyrl_isoexec.specs import CANONICAL
-from skyrl_isoexec.vllm import attention, checks, gdn, layers, linear, moe, runtime, sampler
+from skyrl_isoexec.vllm import attention, checks, gdn, moe, runtime
+
+# The canonical ops IsoExec computes inside vLLM with its own layers (the others go through vLLM's op sites).
+OWN_LAYER_OPS = ("attention", "moe_router", "moe_experts", "moe_combine", "gdn_conv", "gdn_core")
 
 _installed: dict[str, str] = {}
 _wrapped: dict[tuple[type, str], Callable[..., Any]] = {}
 
 
 def _replacements() -> dict[str, type]:
-    """vLLM class name -> IsoExec's out-of-tree replacement (ops and pluggable layers)."""
-    return {**layers.REPLACEMENTS, **moe.REPLACEMENTS, **gdn.REPLACEMENTS}
+    """vLLM class name -> IsoExec's out-of-tree replacement (pluggable layers)."""
+    return {**moe.REPLACEMENTS, **gdn.REPLACEMENTS}
 
 
 def _register_custom_ops(strict: bool) -> dict[str, str]:
@@ -82,47 +88,49 @@ def _wrap_create_engine_config(original: Callable[..., Any]) -> Callable[..., An
     return create_engine_config
 
 
-def _forget_cached_rotary_embeddings(active: bool) -> None:
-    """vLLM shares rotary modules between models built in one process (``get_rope``'s cache); one
-    built with IsoExec in the other state must not be reused by this model."""
-    from vllm.model_executor.layers.rotary_embedding import _ROPE_DICT
-
-    for key, module in list(_ROPE_DICT.items()):
-        if getattr(module, "_isoexec", False) != active:
-            del _ROPE_DICT[key]
-
-
 def _wrap_load_model(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def load_model(self, *args, **kwargs):
         active = runtime.active()
-        _forget_cached_rotary_embeddings(active)
         if active:
             _refuse_config(self.vllm_config)
-            runtime.new_ledger()
         result = original(self, *args, **kwargs)
-        sampler.mark(self.sampler, active)
-        if active:
-            op_modules, patched, unpatched = checks.inspect_model(self.model)
-            if unpatched:
-                raise checks.IsoExecRefusal(
-                    [f"these modules of {type(self.model).__name__} have no canonical op inside vLLM: {', '.join(unpatched)}"]
-                )
-            ledger = runtime.ledger()
-            ledger.meta.update(
-                architecture=type(self.model).__name__,
-                dtype=str(self.vllm_config.model_config.dtype).removeprefix("torch."),
-                op_modules=op_modules,
-                patched_modules=patched,
-                unpatched=[],
-                installed=dict(_installed),
-                fused_linear=linear.fused_layers(self.model),
-                prepacked_linear=linear.prepacked_layers(self.model),
-            )
-            self.model._skyrl_op_ledger = ledger
+        self._isoexec_built = active  # decides for this model, whatever the state later
         return result
 
     return load_model
+
+
+def _wrap_initialize_kv_cache(original: Callable[..., Any]) -> Callable[..., Any]:
+    """After ``load_model`` (and skyrl-vllm's routing in it, whichever wrapper is outer) and before
+    the attention backends are built: inspect the model and adopt its ledger."""
+
+    @functools.wraps(original)
+    def initialize_kv_cache(self, *args, **kwargs):
+        if getattr(self, "_isoexec_built", False):
+            _inspect(self.model)
+        return original(self, *args, **kwargs)
+
+    return initialize_kv_cache
+
+
+def _inspect(model: Any) -> None:
+    """Refuse ``model`` if a module computes without a canonical op; else complete its ledger."""
+    ledger = checks.routed_ledger(model)
+    op_modules, patched, unpatched = checks.inspect_model(model, ledger.meta)
+    if unpatched:
+        raise checks.IsoExecRefusal(
+            [f"these modules of {type(model).__name__} have no canonical op inside vLLM: {', '.join(unpatched)}"]
+        )
+    ledger.meta.update(
+        op_modules=op_modules,
+        patched_modules=patched,
+        unpatched=[],
+        installed=dict(_installed),
+        fused_linear=checks.fused_linears(model),
+        prepacked_linear=checks.prepacked_linears(model),
+    )
+    runtime.adopt_ledger(ledger)  # the attention backends built next record this model's steps there
 
 
 def _wrap(cls: type, name: str, wrapper: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
@@ -155,16 +163,15 @@ def install(strict: bool = True) -> dict[str, str]:
         return dict(_installed)
     from vllm.engine.arg_utils import EngineArgs
 
-    # IsoExec computes every canonical op inside vLLM with its own layers (below): skyrl-vllm's op
-    # sites leave those layers to it.
-    engine_forms.declare_own_layers("vllm", [spec.name for spec in CANONICAL.values()], "skyrl-isoexec")
+    # Attention, MoE and GatedDeltaNet compute over vLLM's own state with IsoExec's own layers
+    # (below); skyrl-vllm's op sites call the other canonical ops in vLLM's layers.
+    engine_forms.declare_own_layers("vllm", [CANONICAL[op].name for op in OWN_LAYER_OPS], "skyrl-isoexec")
     installed = _register_custom_ops(strict)
-    installed.update(linear.install())
     installed.update(attention.install())
-    installed.update(sampler.install())
     _wrap(EngineArgs, "create_engine_config", _wrap_create_engine_config)
     for runner in _runner_classes():
         _wrap(runner, "load_model", _wrap_load_model)
+        _wrap(runner, "initialize_kv_cache", _wrap_initialize_kv_cache)
     _installed.update(installed)
     return dict(_installed)
 
@@ -182,9 +189,7 @@ def uninstall() -> None:
         if op_registry_oot.get(name) is cls:
             del op_registry_oot[name]
     engine_forms.forget_own_layers("vllm", "skyrl-isoexec")
-    linear.uninstall()
     attention.uninstall()
-    sampler.uninstall()
     for (cls, name), original in list(_wrapped.items()):
         setattr(cls, name, original)
         del _wrapped[(cls, name)]

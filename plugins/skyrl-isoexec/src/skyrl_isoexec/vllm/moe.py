@@ -6,7 +6,7 @@ weight ``w13_weight`` ``[E, 2I, H]`` (gate rows first, as transformers' ``gate_u
 down weight ``w2_weight`` ``[E, H, I]``. On CPU its ``UnquantizedFusedMoEMethod`` repacks those
 weights into a grouped-GEMM layout and routes inside one fused kernel. Both classes are vLLM
 pluggable layers, so IsoExec replaces them out of tree (``CustomOp.register_oot``, keyed by class
-name, like the ops of ``layers``):
+name):
 
 - ``IsoExecUnquantizedFusedMoEMethod``: built with IsoExec on, it keeps the plain weights (so
   in-place weight reloads keep working) and marks its layer canonical;
@@ -15,7 +15,8 @@ name, like the ops of ``layers``):
   gate's weight, ``kernels.moe.experts`` over the plain expert weights, ``kernels.moe.combine``.
 
 A shared expert (Qwen3-Next) is vLLM's MLP with a sigmoid ``expert_gate`` applied inside it; the
-runner calls its projections and activation (canonical modules) and its gate, and
+runner calls its projections and activation (vLLM's layers, routed to the canonical ops by
+skyrl-vllm's op sites) and its gate, and
 ``kernels.moe.combine`` applies the gate in fp32 as the trainer's combine does.
 
 What this cannot make identical is refused at load (``problems``): routing other than softmax

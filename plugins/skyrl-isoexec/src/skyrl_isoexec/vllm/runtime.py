@@ -1,23 +1,27 @@
-"""Per-process state of IsoExec inside a vLLM process: the op ledger of the model being loaded,
-and the ledger and site of the step being computed.
+"""Per-process state of IsoExec inside a vLLM process: the op ledger of the model last loaded and
+the ledger of the step being computed, for IsoExec's own layers (attention, MoE, GatedDeltaNet).
 
-vLLM computes one forward per scheduler step over a mix of requests; the attention metadata
-builder of the engine (``attention.IsoExecCPUMetadataBuilder``) runs before each forward and
-names its ledger and site: ``engine_decode`` when every request contributes one query token,
-``engine_prefill`` otherwise. Every canonical op called in that step, the sampler's included,
-records itself there; the worker's attestation RPC returns that ledger (the fingerprint of what
-ran). An in-process engine shares its process with others, hence a ledger per loaded model.
+skyrl-vllm's op sites give each loaded model its ledger (``_skyrl_op_ledger``) and run each step
+inside its op site (``engine_decode`` when every request contributes one query token,
+``engine_prefill`` otherwise; ``skyrl_core.ops.site_scope``). The attention metadata builder of an
+engine (``attention.IsoExecCPUMetadataBuilder``) runs before each forward and names the ledger
+of its model; every canonical op of IsoExec's own layers called in that step records itself
+there, next to the calls of the ops vLLM's op sites dispatched. The worker's attestation RPC
+returns that ledger (the fingerprint of what ran). An in-process engine shares its process with
+others, hence a ledger per loaded model.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from skyrl_core.ops.vocabulary import current_site
+
 if TYPE_CHECKING:
     from skyrl_core.ops import OpLedger
 
-_ledger: OpLedger | None = None  # of the model being (or last) loaded
-_step: tuple[OpLedger, str] | None = None  # (ledger, site) of the step being computed
+_ledger: OpLedger | None = None  # of the model last loaded
+_step_ledger: OpLedger | None = None  # of the step being computed
 
 
 def active() -> bool:
@@ -27,8 +31,15 @@ def active() -> bool:
     return state.enabled()
 
 
+def adopt_ledger(ledger: OpLedger) -> None:
+    """The ledger of the model just loaded (skyrl-vllm's op sites made it)."""
+    global _ledger
+    _ledger = ledger
+
+
 def ledger() -> OpLedger:
-    """This process's engine ledger, declared through the ``skyrl_install_op`` hooks on first use."""
+    """The ledger of the model last loaded in this process (declared through the
+    ``skyrl_install_op`` hooks if none was loaded)."""
     global _ledger
     if _ledger is None:
         from skyrl_core.ops import prepare_model
@@ -37,31 +48,20 @@ def ledger() -> OpLedger:
     return _ledger
 
 
-def new_ledger() -> OpLedger:
-    """Start the ledger of a model about to be loaded in this process."""
-    global _ledger
-    _ledger = None
-    return ledger()
-
-
-def begin_step(step_ledger: OpLedger, site: str) -> None:
-    """The next forward (and its sampling) computes at ``site``, for the model of ``step_ledger``."""
-    global _step
-    _step = (step_ledger, site)
-
-
-def current_site() -> str | None:
-    return None if _step is None else _step[1]
+def begin_step(step_ledger: OpLedger) -> None:
+    """The next forward computes for the model of ``step_ledger``."""
+    global _step_ledger
+    _step_ledger = step_ledger
 
 
 def observe(op: str, module: object = None) -> None:
     """Record one call of the canonical ``op`` in the current step, by ``module`` (its model-qualified
-    name, set by ``checks.inspect_model``) if given; nothing before the first step (vLLM's warm-up)."""
-    if _step is not None:
+    name, set by ``checks.inspect_model``) if given; nothing outside a step (vLLM's dummy runs)."""
+    site = current_site()
+    if site is not None and _step_ledger is not None:
         from skyrl_isoexec.specs import CANONICAL
 
-        step_ledger, site = _step
-        step_ledger.observe(op, site, CANONICAL[op].name, getattr(module, "_isoexec_name", None))
+        _step_ledger.observe(op, site, CANONICAL[op].name, getattr(module, "_isoexec_name", None))
 
 
 class DecidedAtBuild:
