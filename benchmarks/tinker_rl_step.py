@@ -4,7 +4,9 @@ The client loop a Tinker user writes (``skyrl_tinker.client_loops.rl_step``): 8 
 up to 32 new tokens at temperature 1, a LoRA adapter of rank 8 (attention and MLP), group-centred
 advantages, one ``forward_backward`` with ``importance_sampling``, one ``optim_step``, then
 ``save_weights_and_get_sampling_client`` for the next step. A step's time is the client's wall time
-for all of that. The first ``--warmup`` steps are not counted.
+for all of that, printed with where it went (``sample``: all samples back; ``train``:
+``forward_backward`` and ``optim_step`` back; ``save``: the next sampling client ready). The first
+``--warmup`` steps are not counted.
 
 Two base models, each served by a fresh server process: the tiny random Qwen3 of the tests
 (``TINY_QWEN3``) and SmolLM2-135M-Instruct (fp32, ``skyrl_core.models.prepare_smollm2``). The
@@ -50,16 +52,21 @@ def run(name: str, model_dir: str, encode, workdir: Path, args: argparse.Namespa
         tc = service.create_lora_training_client(base_model=name, rank=8, seed=0, train_unembed=False).result()
         sampler = tc.save_weights_and_get_sampling_client().result()
         prompts = arithmetic_prompts(encode, 8)
-        times, rewards = [], []
+        times, rewards, phases = [], [], []
         for step in range(args.warmup + args.steps):
             start = time.perf_counter()
-            reward, sampler = rl_step(tc, sampler, prompts, samples=8, max_tokens=32, learning_rate=1e-4, seed=step)
+            timings: dict[str, float] = {}
+            reward, sampler = rl_step(tc, sampler, prompts, samples=8, max_tokens=32, learning_rate=1e-4, seed=step, timings=timings)
             elapsed = time.perf_counter() - start
             rewards.append(reward)
             if step >= args.warmup:
                 times.append(elapsed)
-            print(f"{name}: step {step} {elapsed:.2f} s{' (warm-up)' if step < args.warmup else ''}, reward {reward:.3f}", flush=True)
+                phases.append(timings)
+            where = ", ".join(f"{k} {v:.2f}" for k, v in timings.items())
+            print(f"{name}: step {step} {elapsed:.2f} s ({where}){' (warm-up)' if step < args.warmup else ''}, reward {reward:.3f}", flush=True)
         peak = peak_rss_gib(proc.pid)
+    medians = {k: statistics.median(p[k] for p in phases) for k in phases[0]}
+    print(f"{name}: median s/step {statistics.median(times):.3f} = " + " + ".join(f"{k} {v:.3f}" for k, v in medians.items()), flush=True)
     return {"s_per_step": statistics.median(times), "peak_gib": peak}
 
 

@@ -274,7 +274,7 @@ def test_api_keys_authenticate_and_isolate(tiny_model, tmp_path):
         assert _client(url, other).create_lora_training_client(base_model="tiny", rank=4).result().get_info().lora_rank == 4
 
 
-ENGINES = {
+ENGINES = {  # name -> (serve arguments, environment); the engine's module is checked in the server's log
     "torch": ((), {}),
     # A real vLLM-CPU engine in the server's process, small KV cache, its compile cache in a temp dir.
     "vllm": (("--engine", "vllm", "--engine-option", "kv_cache_memory_bytes=33554432", "--engine-option", "max_model_len=256",
@@ -309,6 +309,8 @@ def test_sampled_logprobs_equal_training_logprobs_bit_for_bit_with_isoexec(tiny_
         prompt_bits = np.asarray(response.prompt_logprobs[1:], dtype=np.float32).view(np.int32)
         assert (prompt_bits == _forward_bits(tc, _datum(prompt))).all()
     assert total == 48
+    (log,) = tmp_path.glob("server-*.log")
+    assert f"sampling engine {engine!r} started (skyrl_{engine}." in log.read_text()
     if isoexec == "1":  # forward and forward_backward both see the sampler's bits: the KL is exactly 0
         assert differing == differing_fb == 0
     else:  # negative control: KV-cache decode and batched GEMMs round differently without IsoExec

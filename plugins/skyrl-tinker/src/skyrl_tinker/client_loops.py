@@ -46,13 +46,19 @@ def rl_step(
     learning_rate: float,
     seed: int,
     loss_fn: str = "importance_sampling",
+    timings: dict[str, float] | None = None,
 ) -> tuple[float, Any]:
     """One RL step as a Tinker user writes it: sample ``samples`` continuations of every prompt,
     group-centred advantages, one ``forward_backward`` with ``loss_fn`` on the sampler's logprobs,
     one ``optim_step``, then a sampling client for the new weights. Returns the mean reward of
-    this step's samples and that sampling client."""
+    this step's samples and that sampling client. ``timings`` (if given) receives the seconds of
+    each phase: ``sample`` (all samples back), ``train`` (``forward_backward`` and ``optim_step``
+    back), ``save`` (the next sampling client ready)."""
+    import time
+
     from tinker import types
 
+    start = time.perf_counter()
     params = [types.SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed * 1000 + i) for i in range(len(prompts))]
     futures = [
         sampling_client.sample(types.ModelInput.from_ints(list(p.tokens)), num_samples=samples, sampling_params=sp)
@@ -80,8 +86,13 @@ def rl_step(
                     },
                 )
             )
+    sampled = time.perf_counter()
     backward = training_client.forward_backward(data, loss_fn)
     step = training_client.optim_step(types.AdamParams(learning_rate=learning_rate))
     backward.result()
     step.result()
-    return sum(rewards) / len(rewards), training_client.save_weights_and_get_sampling_client().result()
+    trained = time.perf_counter()
+    next_sampler = training_client.save_weights_and_get_sampling_client().result()
+    if timings is not None:
+        timings.update(sample=sampled - start, train=trained - sampled, save=time.perf_counter() - trained)
+    return sum(rewards) / len(rewards), next_sampler

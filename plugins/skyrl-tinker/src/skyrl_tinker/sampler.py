@@ -34,20 +34,27 @@ def build_engine(name: str, model_dir: str, options: dict[str, Any] | None = Non
 
 
 class Sampler:
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, *, full_sets: bool = False) -> None:
         self.engine = engine
+        # vLLM reloads weights layer by layer and wants every tensor of a layer (a full set);
+        # skyrl-torch copies tensors in place, so only the changed modules are sent.
+        self.full_sets = full_sets
         self.loaded: str | None = None  # key of the weights in the engine; None: base model
         self.changed: set[str] = set()  # weight names that currently differ from the base
 
     def load(self, key: str | None, tensors: dict[str, torch.Tensor] | None, base: dict[str, torch.Tensor]) -> None:
-        """Make the engine compute with ``tensors`` merged into ``base`` (module weight name -> the
-        base model's tensor) or, for None, the base model; ``key`` names those weights."""
+        """Make the engine compute with ``tensors`` merged into ``base`` (weight name -> the base
+        model's tensor: the adapted modules', or every weight with ``full_sets``) or, for None, the
+        base model; ``key`` names those weights."""
         if key == self.loaded:
             return
         merged = lora.merged_weights(base, tensors) if tensors else []
         names = {n for n, _ in merged}
-        restore = [(n, base[n]) for n in sorted(self.changed - names)]
-        self.engine.update_weights(restore + merged)
+        if self.full_sets:
+            self.engine.update_weights(list({**base, **dict(merged)}.items()))
+        else:
+            restore = [(n, base[n]) for n in sorted(self.changed - names)]
+            self.engine.update_weights(restore + merged)
         self.changed = names
         self.loaded = key
 

@@ -15,6 +15,7 @@ import queue
 import re
 import secrets
 import shutil
+import sys
 import threading
 import time
 import traceback
@@ -201,7 +202,7 @@ class TinkerService:
         try:
             tensors = self._sampler_weights(job.model_path, job.checkpoint_dir)
             sampler = self._get_sampler()
-            sampler.load(job.model_path, tensors, self.trainer.base_weights())
+            sampler.load(job.model_path, tensors, self.trainer.hf_weights() if sampler.full_sets else self.trainer.base_weights())
         except Exception as error:  # noqa: BLE001
             self._record([(fid, self._failure(error)) for fid, _ in jobs])
             return
@@ -701,7 +702,9 @@ class TinkerService:
         if self._sampler is None:
             from skyrl_tinker.sampler import Sampler, build_engine
 
-            self._sampler = Sampler(build_engine(self.engine_name, self.model_dir, self.engine_options))
+            engine = build_engine(self.engine_name, self.model_dir, self.engine_options)
+            self._sampler = Sampler(engine, full_sets=self.engine_name != "torch")
+            print(f"skyrl tinker: sampling engine {self.engine_name!r} started ({type(engine).__module__})", file=sys.stderr, flush=True)
         return self._sampler
 
 

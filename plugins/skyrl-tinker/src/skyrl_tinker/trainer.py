@@ -43,6 +43,8 @@ META_FILE = "adapter.json"
 # (64 Mi fp32 entries, 256 MiB). Fewer, larger passes are faster: a tiny model's 64-datum batch
 # is one pass, SmolLM2's (49k vocab) about four.
 MICRO_BATCH_LOGITS = 1 << 26
+# Passes whose logits reach this many entries give the freed heap back to the OS afterwards.
+RELEASE_AFTER_LOGITS = 1 << 24
 
 
 @attrs.frozen
@@ -122,6 +124,10 @@ class LoraTrainer:
         """``<module>.weight`` -> base weight of every module any adapter wraps (the originals)."""
         return {f"{m}.weight": layer.get_base_layer().weight for m, layer in lora.lora_layers(self.model)}
 
+    def hf_weights(self) -> dict[str, torch.Tensor]:
+        """Every base weight by its Hugging Face name (adapters left out): a full set for an engine."""
+        return {name.replace(".base_layer.", "."): p for name, p in self.model.named_parameters() if ".lora_" not in name}
+
     # --- computation ------------------------------------------------------------------------------
 
     def _pad(self, examples: Sequence[Example]) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
@@ -190,8 +196,10 @@ class LoraTrainer:
         outputs: list[np.ndarray] = []
         total = 0.0
         summed: dict[str, float] = {}
+        largest_logits = 0
         for part in self._micro_batches(examples):
             ids, mask, inputs = self._pad(part)
+            largest_logits = max(largest_logits, ids.numel() * self.vocab_size)
             with torch.set_grad_enabled(backward), site_scope("trainer_forward" if backward else "trainer_score"):
                 logprobs = self._logprobs(ids, mask, inputs["target_tokens"])
                 loss, metrics = compute_loss(loss_fn, loss_config, logprobs, inputs, mask)
@@ -204,7 +212,8 @@ class LoraTrainer:
                 summed[key] = summed.get(key, 0.0) + float(value) * len(part)
         metrics_out = {f"{k}:mean": v / len(examples) for k, v in summed.items()}
         metrics_out["loss:sum"] = total
-        release_freed_memory()
+        if largest_logits >= RELEASE_AFTER_LOGITS:
+            release_freed_memory()  # (a small pass leaves little to give back; trimming costs ~10 ms)
         return outputs, metrics_out
 
     def forward(
