@@ -3,11 +3,19 @@
 Token ids 0..255 are bytes; 256 is BOS, 257 EOS, 258 PAD; chat turns are rendered as
 ``<|role|>\n content \n`` in plain bytes. Mirrors the slice of the transformers tokenizer API that
 skyrl uses: ``encode``, ``decode``, ``apply_chat_template``, ``eos_token_id``, ``pad_token_id``.
+
+``save_pretrained(dir)`` writes ``byte_tokenizer.json`` (its vocabulary size), which
+``skyrl_core.models.load_tokenizer`` reads back: a tiny model's exported or checkpointed directory
+then serves as ``model.path`` of a later run (SFT first, then RL) without tokenizer files.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any, Iterable
+
+MARKER_FILE = "byte_tokenizer.json"
 
 
 class ByteTokenizer:
@@ -21,6 +29,19 @@ class ByteTokenizer:
         self.eos_token_id = self.EOS
         self.pad_token_id = self.PAD
         self.eos_token = "<|eos|>"
+
+    def save_pretrained(self, directory: str) -> None:
+        with open(os.path.join(directory, MARKER_FILE), "w", encoding="utf-8") as f:
+            json.dump({"tokenizer": "skyrl ByteTokenizer", "vocab_size": self.vocab_size}, f)
+
+    @classmethod
+    def from_directory(cls, directory: str) -> "ByteTokenizer | None":
+        """The tokenizer ``save_pretrained`` wrote into ``directory``; None if it wrote none there."""
+        path = os.path.join(directory, MARKER_FILE)
+        if not os.path.isfile(path):
+            return None
+        with open(path, encoding="utf-8") as f:
+            return cls(vocab_size=int(json.load(f)["vocab_size"]))
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         ids = list(text.encode("utf-8"))

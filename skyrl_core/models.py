@@ -86,14 +86,18 @@ def load_tokenizer(model: ModelConfig) -> Any:
     """The tokenizer at ``model.tokenizer`` (default ``model.path``).
 
     A model built from a config without a tokenizer directory gets ``ByteTokenizer``, a small
-    byte-level tokenizer with a chat template, so tiny test models need no files.
+    byte-level tokenizer with a chat template, so tiny test models need no files; a directory such
+    a model was saved to (an SFT export, a checkpoint) holds its marker and gets it back.
     """
+    from skyrl_core.byte_tokenizer import ByteTokenizer
+
     path = model.tokenizer or model.path
     if path is None:
-        from skyrl_core.byte_tokenizer import ByteTokenizer
-
         vocab = int((model.config or {}).get("vocab_size", 512))
         return ByteTokenizer(vocab_size=vocab)
+    saved = ByteTokenizer.from_directory(os.path.expanduser(path))
+    if saved is not None:
+        return saved
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)

@@ -145,8 +145,13 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     had not trained on yet, whatever the returns' scale (which moves as the policy learns)."""
     trained = mask > 0
     r, v = returns[trained].double(), values[trained].double()
-    spread = float(r.var(unbiased=False)) if r.numel() else 0.0
-    return 1.0 - float((r - v).var(unbiased=False)) / spread if spread > 0 else 0.0
+    if r.numel() == 0:
+        return 0.0
+    spread = float(r.var(unbiased=False))
+    # returns that are equal but for float32 rounding (gae's returns are A + V) leave a variance
+    # residue near 1e-16: dividing by it gave -1e14. Below rounding level nothing is explained.
+    rounding = (1e-6 * max(float(r.abs().max()), 1e-6)) ** 2
+    return 1.0 - float((r - v).var(unbiased=False)) / spread if spread > rounding else 0.0
 
 
 def check_critic_choice(estimator: Any, cfg: Config, resume_from: str | None = None) -> None:

@@ -135,3 +135,19 @@ def test_resuming_a_checkpoint_without_a_critic_is_refused_before_work(tmp_path)
     critic = Critic(_cfg(), ModelConfig(config=TINY_QWEN3))
     with_critic = ckpt.save_checkpoint(str(tmp_path), 2, FakeBackendState(), {"history": []}, critic)
     check_critic_choice(make_gae(), _cfg(), resume_from=with_critic)
+
+
+def test_explained_variance_is_zero_for_returns_equal_but_for_rounding() -> None:
+    from skyrl_core.trainer.critic import explained_variance
+
+    mask = torch.ones(2, 3)
+    values = torch.tensor([[0.3, 0.1, 0.2], [0.25, 0.15, 0.05]])
+    # gae's returns are A + V in float32: equal returns come back with rounding residues
+    returns = (torch.full((2, 3), 0.7) - values) + values
+    assert returns.unique().numel() > 1  # the residue is there (else this test shows nothing)
+    assert explained_variance(values, returns, mask) == 0.0
+    # returns that truly differ: the usual 1 - Var(R - V) / Var(R)
+    returns = torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 1.0]])
+    expected = 1 - float((returns - values).var(unbiased=False)) / float(returns.var(unbiased=False))
+    assert explained_variance(values, returns, mask) == pytest.approx(expected, abs=1e-6) and expected != 0.0
+    assert explained_variance(returns, returns, mask) == 1.0

@@ -47,6 +47,15 @@ def test_the_loss_mask_covers_exactly_the_assistant_turns():
     assert sum(every.loss_mask) == len("5\nsum 5!\n")
 
 
+def test_a_saved_byte_tokenizer_is_what_a_later_run_loads(tmp_path):
+    from skyrl_core.models import load_tokenizer
+
+    assert ByteTokenizer.from_directory(str(tmp_path)) is None  # nothing saved: not taken for one
+    ByteTokenizer(vocab_size=300).save_pretrained(str(tmp_path))
+    loaded = load_tokenizer(ModelConfig(path=str(tmp_path)))
+    assert isinstance(loaded, ByteTokenizer) and loaded.vocab_size == 300
+
+
 def test_chat_datasets_are_checked(tmp_path):
     write_jsonl([{"messages": [{"role": "user", "content": "hi"}]}], tmp_path / "a.jsonl")
     with pytest.raises(DatasetError, match="row 0 has no assistant message"):
@@ -141,6 +150,7 @@ def test_sft_resumes_exactly_after_a_kill_and_exports_a_transformers_model(tmp_p
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(whole.hf_dir, dtype=torch.float32)
+    assert isinstance(ByteTokenizer.from_directory(whole.hf_dir), ByteTokenizer)  # a later run's model.path
     prompt = torch.tensor([TOK.apply_chat_template(_conversations(1)[0][:1], add_generation_prompt=True)])
     out = model.generate(prompt, max_new_tokens=4, do_sample=False)
     assert out.shape == (1, prompt.shape[1] + 4)

@@ -267,9 +267,7 @@ class FSDPRank:
         return hf_state_dict(state, self.options.lora)
 
     def _tokenizer(self) -> Any:
-        if self.model_config.tokenizer is None and self.model_config.path is None:
-            return None  # the byte tokenizer of a config-built model has no files
-        return load_tokenizer(self.model_config)
+        return load_tokenizer(self.model_config)  # a config-built model's byte tokenizer writes its marker
 
     def save_hf(self, path: str) -> None:
         """Rank 0 writes a Hugging Face directory into the existing ``path``. Collective."""
