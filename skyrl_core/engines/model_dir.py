@@ -77,13 +77,23 @@ def write_byte_tokenizer(directory: str, vocab_size: int) -> None:
 def materialize_model(model: ModelConfig, *, seed: int = 0, parent_dir: str | None = None) -> tuple[str, str | None]:
     """Return ``(model_dir, tokenizer_dir)`` for an engine that loads from disk.
 
-    A ``model.path`` is returned unchanged (with ``model.tokenizer`` if set). A ``model.config`` is
-    written to a new temporary directory under ``parent_dir`` (the caller removes it): safetensors
-    weights in ``model.dtype`` built with ``seed``, its config, and a byte tokenizer unless
-    ``model.tokenizer`` names one.
+    A ``model.path`` is returned unchanged (with ``model.tokenizer`` if set); when that directory's
+    tokenizer is skyrl's byte tokenizer (``byte_tokenizer.json``: a tiny model's SFT export or
+    checkpoint), its ``tokenizers`` equivalent is written to a new temporary directory under
+    ``parent_dir``, the tokenizer directory returned. A ``model.config`` is written to a new
+    temporary directory under ``parent_dir`` (the caller removes it): safetensors weights in
+    ``model.dtype`` built with ``seed``, its config, and a byte tokenizer unless ``model.tokenizer``
+    names one.
     """
     if model.path is not None:
-        return model.path, model.tokenizer
+        from skyrl_core.byte_tokenizer import ByteTokenizer
+
+        saved = None if model.tokenizer is not None else ByteTokenizer.from_directory(os.path.expanduser(model.path))
+        if saved is None:
+            return model.path, model.tokenizer
+        tokenizer_dir = tempfile.mkdtemp(prefix="skyrl-engine-tokenizer-", dir=parent_dir)
+        write_byte_tokenizer(tokenizer_dir, saved.vocab_size)
+        return model.path, tokenizer_dir
     from skyrl_core.models import load_causal_lm
 
     directory = tempfile.mkdtemp(prefix="skyrl-engine-model-", dir=parent_dir)

@@ -48,6 +48,21 @@ def test_materialized_model_holds_the_seeded_weights(tmp_path):
     assert materialize_model(ModelConfig(path=model_dir), seed=0) == (model_dir, None)
 
 
+def test_a_directory_holding_the_byte_tokenizer_gets_its_tokenizers_equivalent(tmp_path):
+    from transformers import AutoTokenizer
+
+    from skyrl_core.byte_tokenizer import ByteTokenizer
+
+    ByteTokenizer(vocab_size=300).save_pretrained(str(tmp_path))  # what a tiny model's SFT export holds
+    model_dir, tokenizer_dir = materialize_model(ModelConfig(path=str(tmp_path)), parent_dir=str(tmp_path))
+    assert model_dir == str(tmp_path) and tokenizer_dir != model_dir
+    hf = AutoTokenizer.from_pretrained(tokenizer_dir)
+    assert hf.encode("7 * 1\n", add_special_tokens=False) == ByteTokenizer().encode("7 * 1\n")
+    assert len(hf) == 300 and hf.eos_token_id == ByteTokenizer.EOS
+    # a tokenizer named in the config is left as it is
+    assert materialize_model(ModelConfig(path=str(tmp_path), tokenizer="tok"), parent_dir=str(tmp_path)) == (str(tmp_path), "tok")
+
+
 def test_check_weights_names_the_bad_tensor():
     shapes = {"a.weight": (2, 3)}
     check_weights([("a.weight", torch.zeros(2, 3))], shapes)
