@@ -88,12 +88,10 @@ class EngineRouter:
                 r.remember(tensors, version)
 
     def pause(self) -> None:
-        for r in self.replicas:
-            r.pause()
+        self._each("pause")
 
     def resume(self) -> None:
-        for r in self.replicas:
-            r.resume()
+        self._each("resume")
 
     def execution_contract(self) -> dict[str, Any]:
         contracts = [r.execution_contract() for r in self.replicas]
@@ -103,12 +101,14 @@ class EngineRouter:
         return contracts[0]
 
     def sleep(self) -> None:
-        for r in self.replicas:
-            r.sleep()
+        self._each("sleep")
 
     def wake(self) -> None:
+        self._each("wake")
+
+    def _each(self, method: str) -> None:
         for r in self.replicas:
-            r.wake()
+            getattr(r, method)()
 
     @property
     def restarts(self) -> int:
