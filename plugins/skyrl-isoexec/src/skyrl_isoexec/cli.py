@@ -62,7 +62,11 @@ def contract_show(config_path: str, overrides: tuple[str, ...]) -> None:
               help="Megatron only: tensor-parallel degree (2 or more runs Ray actors); the bits must not change with it.")
 @click.option("--expert-parallel", type=click.IntRange(min=1), default=1, show_default=True,
               help="Megatron only, MoE models: experts split over this many data-parallel replicas (Ray actors).")
-def verify_command(preset, model_dir, engine, dtype, seed, batches, off, backend, tensor_parallel, expert_parallel) -> None:
+@click.option("--engine-option", "engine_option", multiple=True, metavar="KEY=VALUE",
+              help="An option of the engine (as under engine.options in a config; YAML value), repeatable, "
+                   "e.g. --engine-option multiprocess=false.")
+def verify_command(preset, model_dir, engine, dtype, seed, batches, off, backend, tensor_parallel, expert_parallel,
+                   engine_option) -> None:
     """Generate with the engine, score the same tokens in the trainer, compare bits; exit 1 if any differ.
 
     The trainer is skyrl-fsdp (default) or, with --backend megatron, skyrl-megatron at
@@ -76,20 +80,36 @@ def verify_command(preset, model_dir, engine, dtype, seed, batches, off, backend
         raise click.UsageError("--tensor-parallel needs --backend megatron")
     if expert_parallel != 1 and backend != "megatron":
         raise click.UsageError("--expert-parallel needs --backend megatron")
+    from skyrl_core.config.errors import ConfigError
     from skyrl_core.plugins.manager import PluginError
     from skyrl_isoexec.verify import verify
 
+    engine_options = _key_values(engine_option, flag="--engine-option")
     try:
         report = verify(
             preset=preset, model_dir=model_dir, engine=engine, dtype=dtype, seed=seed, batches=batches, off=off,
-            backend=backend, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel, echo=click.echo,
+            backend=backend, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
+            engine_options=engine_options, echo=click.echo,
         )
-    except (NotImplementedError, ValueError, KeyError, PluginError) as exc:  # an engine or model that cannot run this
+    except (NotImplementedError, ValueError, KeyError, PluginError, ConfigError) as exc:  # a pair that cannot run
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
     if report.contract_problems and not off:
         click.echo("contract mismatch: the handshake would refuse this pair")
     sys.exit(1 if report.differing or (report.contract_problems and not off) else 0)
+
+
+def _key_values(items: tuple[str, ...], *, flag: str) -> dict:
+    """``KEY=VALUE`` strings as a dict, each value read as YAML (``false`` -> False, ``64`` -> 64)."""
+    import yaml
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint=flag)
+        out[key.strip()] = yaml.safe_load(value)
+    return out
 
 
 @isoexec_group.command("trace")

@@ -156,10 +156,12 @@ def verify(
     backend: str = "fsdp",
     tensor_parallel: int = 1,
     expert_parallel: int = 1,
+    engine_options: dict[str, Any] | None = None,
     echo: Callable[[str], None] = print,
 ) -> VerifyReport:
     """Generate ``batches`` batches with ``engine``, score them in the trainer ``backend`` (``fsdp`` or
-    ``megatron``, at ``tensor_parallel`` and ``expert_parallel``), compare bits."""
+    ``megatron``, at ``tensor_parallel`` and ``expert_parallel``), compare bits. ``engine_options`` are the
+    engine's options as under ``engine.options`` in a config (validated by the engine's schema)."""
     from skyrl_core.config.schema import TrainerConfig
     from skyrl_isoexec.contract import build_contract, compare
 
@@ -169,11 +171,15 @@ def verify(
     options = trainer_options(
         backend, dtype=dtype, world_size=world_size, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel
     )
-    get_plugin_manager().spec("inference_engine", engine)  # an unknown name fails before any build
+    from skyrl_core.config.loader import structure_options
+
+    # An unknown engine name or a bad engine option fails before anything is built.
+    structure_options(get_plugin_manager().spec("inference_engine", engine), dict(engine_options or {}),
+                      path=f"inference_engine:{engine}")
     get_plugin_manager().spec("training_backend", backend)
     with state.enabled_scope(not off):
         trainer = build_runtime("training_backend", backend, options, model, seed=seed, trainer=TrainerConfig(micro_batch_size=3))
-        generator = build_runtime("inference_engine", engine, {}, model, seed=seed)
+        generator = build_runtime("inference_engine", engine, dict(engine_options or {}), model, seed=seed)
         try:
             enabled = state.enabled()
             contracts = {
