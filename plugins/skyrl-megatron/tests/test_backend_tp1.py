@@ -161,18 +161,35 @@ def test_registered_without_importing_torch_or_megatron(builtin_plugin_manager):
     assert spec.load_options_class() is MegatronOptions
 
 
-def test_moe_under_tensor_parallelism_on_cpu_is_refused_with_the_reason():
+def test_moe_spec_norms_accept_sequence_parallelism_and_mark_their_weights():
+    """MoE under tensor parallelism runs with sequence parallelism, which megatron's torch norm
+    wrapper refuses; the spec's norms are the same torch RMSNorm, marked so that their gradients
+    (each rank sees its share of the tokens) are summed over the tensor-parallel ranks."""
     import torch
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from skyrl_core.models import build_hf_config
-    from skyrl_megatron.layout import layout_from_hf_config
-    from skyrl_megatron.model import build_gpt_model
+    from skyrl_megatron.norms import SequenceParallelRMSNorm, with_sequence_parallel_norms
 
-    from megatron_test_models import TINY_QWEN3_MOE
+    config = TransformerConfig(
+        num_layers=1, hidden_size=64, num_attention_heads=4, normalization="RMSNorm", sequence_parallel=True,
+        tensor_model_parallel_size=2,
+    )
+    with pytest.raises(AssertionError, match="sequence parallel not supported"):  # the reason for norms.py
+        WrappedTorchNorm(config, 64, eps=1e-6)
+    norm = SequenceParallelRMSNorm(config, 64, eps=1e-6)
+    assert type(norm) is torch.nn.RMSNorm and norm.eps == 1e-6 and norm.weight.sequence_parallel is True
+    config.sequence_parallel = False
+    assert SequenceParallelRMSNorm(config, 64).weight.sequence_parallel is False
 
-    layout = layout_from_hf_config(build_hf_config(dict(TINY_QWEN3_MOE)))
-    with pytest.raises(ValueError, match="qwen3_moe with tensor_parallel=2 is not supported on CPU: .*sequence parallelism, which its torch"):
-        build_gpt_model(layout, tensor_parallel=2, params_dtype=torch.float32, use_transformer_engine=False, on_cpu=True)
+    block = with_sequence_parallel_norms(
+        gpt_layer_specs.get_gpt_layer_local_spec(num_experts=4, qk_layernorm=True, normalization="RMSNorm"), num_layers=2
+    )
+    layer = block.layer_specs[0].submodules
+    norms = (layer.input_layernorm, layer.pre_mlp_layernorm, layer.self_attention.submodules.q_layernorm,
+             layer.self_attention.submodules.k_layernorm, block.layer_norm)
+    assert len(block.layer_specs) == 2 and all(n is SequenceParallelRMSNorm for n in norms)
 
 
 def test_hybrid_and_moe_layers_are_op_sites(fresh_plugin_manager, sequences):
@@ -197,8 +214,8 @@ def test_hybrid_and_moe_layers_are_op_sites(fresh_plugin_manager, sequences):
 @pytest.mark.parametrize(
     ("config", "options", "message"),
     [
-        ("moe", {"tensor_parallel": 2, "world_size": 2, "device": "cpu"}, "qwen3_moe with tensor_parallel=2 is not supported on CPU"),
-        ("next", {"tensor_parallel": 2, "world_size": 2, "device": "cpu"}, "qwen3_next with tensor_parallel=2 is not supported on CPU"),
+        ("moe", {"tensor_parallel": 3, "world_size": 3, "device": "cpu"}, r"tensor_parallel=3 does not divide the model's num_attention_heads \(4\)"),
+        ("next", {"tensor_parallel": 4, "world_size": 4, "device": "cpu"}, r"tensor_parallel=4 does not divide the model's num_key_value_heads \(2\)"),
         ("dense", {"expert_parallel": 2, "world_size": 2}, "expert_parallel=2 needs a mixture-of-experts model; qwen3 has no experts"),
         ("next", {"expert_parallel": 3, "world_size": 3}, r"expert_parallel=3 does not divide the model's num_experts \(4\)"),
     ],
@@ -219,4 +236,7 @@ def test_preflight_refuses_splits_the_model_cannot_take(config, options, message
     run.model = ModelConfig(config=dict(model))
     found = problems(run, MegatronOptions(**options))
     assert len(found) == 1 and re.search(message, found[0]), found
+    # The same model at tensor parallel 2 (MoE layers with sequence parallelism, on CPU too) is accepted.
+    if config != "dense":
+        assert problems(run, MegatronOptions(tensor_parallel=2, world_size=2, device="cpu")) == []
     assert problems(run, MegatronOptions()) == []  # the same model at one process is fine

@@ -19,7 +19,7 @@ from skyrl_core.testing.backend_contract import (
 from skyrl_megatron.backend import MegatronBackend
 from skyrl_megatron.options import MegatronOptions
 
-from megatron_test_models import DENSE_QWEN3_NEXT, TINY_LLAMA, TINY_QWEN3, TINY_QWEN3_MOE, TINY_QWEN3_NEXT
+from megatron_test_models import TINY_LLAMA, TINY_QWEN3, TINY_QWEN3_MOE, TINY_QWEN3_NEXT
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +57,10 @@ def train_curve(options: MegatronOptions, model: dict, batch, steps: int = 5) ->
     return first_logprobs, curve, last_logprobs
 
 
-@pytest.mark.parametrize("model", [TINY_QWEN3, TINY_LLAMA, DENSE_QWEN3_NEXT], ids=["qwen3", "llama", "qwen3-next-dense-mlp"])
+# Qwen3-Next: GatedDeltaNet, gated attention and MoE layers with a gated shared expert; at TP 2 its
+# MoE layers run with sequence parallelism (norms, router and shared-expert gate see each rank's
+# share of the tokens; experts split by expert tensor parallelism).
+@pytest.mark.parametrize("model", [TINY_QWEN3, TINY_LLAMA, TINY_QWEN3_NEXT], ids=["qwen3", "llama", "qwen3-next"])
 def test_tensor_parallel_1_and_2_train_the_same_curve(ray_session, model):
     # Five rows, micro-batches of 2: the last micro-batch has one row.
     batch = make_batch(*random_sequences(PROMPT_LENGTHS + (4,), RESPONSE_LENGTHS + (3,), vocab_size=512))
@@ -143,11 +146,12 @@ def test_hf_to_expert_parallel_2_to_hf_is_bit_exact(ray_session):
         assert_weights_bitwise_equal(dict(backend.export_weights()), dict(expected))
 
 
-@pytest.mark.parametrize("model", [TINY_QWEN3, DENSE_QWEN3_NEXT], ids=["qwen3", "qwen3-next-dense-mlp"])
+@pytest.mark.parametrize("model", [TINY_QWEN3, TINY_QWEN3_NEXT], ids=["qwen3", "qwen3-next"])
 def test_replicated_weights_stay_identical_across_tensor_parallel_ranks(ray_session, model):
     """Norm weights are replicated on both ranks; Qwen3's per-head q/k norms and GatedDeltaNet's
-    output norm see only each rank's heads, so unless their gradients are summed across ranks the
-    copies drift apart."""
+    output norm see only each rank's heads, and under sequence parallelism (Qwen3-Next's MoE
+    layers) every norm, the router and the shared expert's gate see only each rank's share of the
+    tokens, so unless their gradients are summed across ranks the copies drift apart."""
     import ray
 
     batch = make_batch(*random_sequences(PROMPT_LENGTHS, RESPONSE_LENGTHS, vocab_size=512))
@@ -158,9 +162,11 @@ def test_replicated_weights_stay_identical_across_tensor_parallel_ranks(ray_sess
             backend.forward_backward(batch, mean_logprob_loss)
             backend.optim_step()
         rank_0, rank_1 = ray.get([actor._local_weights.remote() for actor in backend._actors])
-    replicated = [name for name in rank_0 if "norm" in name]
+    replicated = [name for name in rank_0 if "norm" in name or name.endswith(("router.weight", "gate_weight"))]
     assert any("q_layernorm" in name for name in replicated)
-    assert ("decoder.layers.0.self_attention.out_norm.weight" in replicated) == (model is DENSE_QWEN3_NEXT)
+    hybrid = model is TINY_QWEN3_NEXT
+    assert ("decoder.layers.0.self_attention.out_norm.weight" in replicated) == hybrid
+    assert ("decoder.layers.1.mlp.router.weight" in replicated) == hybrid
     for name in replicated:
         assert not torch.equal(rank_0[name], before[name]), f"{name} did not train"
         assert torch.equal(bits(rank_0[name]), bits(rank_1[name])), f"{name} differs between the ranks"

@@ -164,7 +164,7 @@ def _output_buffer(input_: torch.Tensor, shape: tuple[int, ...], use_global_buff
 
 
 class _CudaDeviceIsCpu:
-    """``torch.cuda`` as GatedDeltaNet's module sees it on CPU: ``current_device()`` is the CPU."""
+    """``torch.cuda`` as a redirected module sees it on CPU: ``current_device()`` is the CPU."""
 
     def __getattr__(self, name: str):
         return getattr(torch.cuda, name)
@@ -174,13 +174,27 @@ class _CudaDeviceIsCpu:
         return "cpu"
 
 
-class _TorchForGatedDeltaNet:
-    """The ``torch`` name inside ``megatron.core.ssm.gated_delta_net``: torch, except ``cuda``."""
+class _TorchOnCpu:
+    """The ``torch`` name inside one megatron module whose functions allocate on
+    ``torch.cuda.current_device()``: torch, except that this device is the CPU."""
 
     cuda = _CudaDeviceIsCpu()
 
     def __getattr__(self, name: str):
         return getattr(torch, name)
+
+
+def _tensor_parallel_layers_on_cpu() -> None:
+    """megatron's tensor-parallel linears under sequence parallelism on the CPU.
+
+    Replaces, in ``megatron.core.tensor_parallel.layers`` only: the ``torch`` name. Why: under
+    sequence parallelism (MoE layers under tensor parallelism need it) the backward of
+    ``LinearWithGradAccumulationAndAsyncCommunication`` allocates its reduce-scattered input
+    gradient on ``torch.cuda.current_device()``; nothing else changes.
+    """
+    from megatron.core.tensor_parallel import layers
+
+    layers.torch = _TorchOnCpu()
 
 
 def _l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
@@ -201,7 +215,7 @@ def _gated_delta_net_on_cpu() -> None:
     """
     from megatron.core.ssm import gated_delta_net as gdn
 
-    gdn.torch = _TorchForGatedDeltaNet()
+    gdn.torch = _TorchOnCpu()
     gdn.HAVE_FLA = True
     gdn.l2norm = _l2norm
     gdn.chunk_gated_delta_rule = gdn.torch_chunk_gated_delta_rule
@@ -229,6 +243,7 @@ def apply(seed: int) -> None:
         mappings._gather_along_first_dim = _gather_along_first_dim_on_cpu
         mappings._reduce_scatter_along_first_dim = _reduce_scatter_along_first_dim_on_cpu
         _gated_delta_net_on_cpu()
+        _tensor_parallel_layers_on_cpu()
         _applied = True
     # initialize_model_parallel created a CUDA GlobalMemoryBuffer; swap in the CPU one.
     parallel_state._GLOBAL_MEMORY_BUFFER = CpuMemoryBuffer()

@@ -25,14 +25,14 @@ def gdn_forward(module: Any, hidden_states: Any, attention_mask: Any = None, *ar
         raise ValueError("gdn_conv and gdn_core must be both stock or both non-stock at one site")
     if args or any(kwargs.get(k) is not None for k in ("inference_context", "inference_params", "packed_seq_params", "key_value_states")):
         raise NotImplementedError(f"{module._skyrl_name}: inference contexts / packed sequences with a non-stock GatedDeltaNet")
-    if module.sp_size != 1:
-        raise NotImplementedError(f"{module._skyrl_name}: sequence parallelism with a non-stock GatedDeltaNet")
     norm = dispatch.resolve("rms_norm", module.out_norm)
     if norm is None:
         raise ValueError("rms_norm must be non-stock where gdn_conv/gdn_core are (the gated output norm computes it)")
     tp = module.tp_size
-    steps, batch, _ = hidden_states.shape
+    # Under sequence parallelism in_proj gathers the ranks' sequence shares and out_proj scatters
+    # them back: everything between sees the whole sequence.
     projected, _ = module.in_proj(hidden_states)
+    steps, batch, _ = projected.shape
     projected = projected.transpose(0, 1)  # [B, S, local]
     qk, v = module.qk_dim // tp, module.v_dim // tp
     heads = module.num_value_heads // tp

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from skyrl_megatron.layout import GPTLayout
+from skyrl_megatron.norms import SequenceParallelRMSNorm, mark_sequence_parallel
 
 
 class UnitOffsetRMSNorm(torch.nn.Module):
@@ -29,6 +30,7 @@ class UnitOffsetRMSNorm(torch.nn.Module):
         self.eps = float(eps)
         dtype = getattr(config, "params_dtype", torch.float32)
         self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=dtype))
+        mark_sequence_parallel(self.weight, config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = x.float()
@@ -55,7 +57,6 @@ def hybrid_block_spec(layout: GPTLayout) -> Any:
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     def layer(moe: bool) -> Any:
@@ -72,7 +73,7 @@ def hybrid_block_spec(layout: GPTLayout) -> Any:
 
     gdn = ModuleSpec(
         module=GatedDeltaNet,
-        submodules=GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=WrappedTorchNorm, out_proj=RowParallelLinear),
+        submodules=GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=SequenceParallelRMSNorm, out_proj=RowParallelLinear),
     )
     specs = []
     for index in range(layout.num_layers):

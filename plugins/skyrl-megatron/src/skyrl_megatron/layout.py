@@ -98,16 +98,11 @@ class GPTLayout:
                 )
 
 
-def check_parallel(layout: GPTLayout, *, tensor_parallel: int, expert_parallel: int, on_cpu: bool) -> None:
+def check_parallel(layout: GPTLayout, *, tensor_parallel: int, expert_parallel: int) -> None:
     """``ValueError`` naming the problem when the model cannot be split this way (read by the
-    backend's pre-flight check and by model construction, so a run is refused before any work)."""
+    backend's pre-flight check and by model construction, so a run is refused before any work).
+    MoE layers under tensor parallelism run with sequence parallelism (``model.build_gpt_model``)."""
     layout.check_tensor_parallel(tensor_parallel)
-    if layout.is_moe and tensor_parallel > 1 and on_cpu:
-        raise ValueError(
-            f"{layout.model_type} with tensor_parallel={tensor_parallel} is not supported on CPU: megatron-core "
-            "trains MoE layers under tensor parallelism only with sequence parallelism, which its torch "
-            "(non-Apex, non-Transformer-Engine) RMSNorm refuses; use tensor_parallel=1 on CPU"
-        )
     if expert_parallel > 1 and not layout.is_moe:
         raise ValueError(f"expert_parallel={expert_parallel} needs a mixture-of-experts model; {layout.model_type} has no experts")
     if layout.is_moe and layout.num_experts % expert_parallel:

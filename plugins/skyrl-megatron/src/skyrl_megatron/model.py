@@ -26,7 +26,7 @@ def build_gpt_model(
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    check_parallel(layout, tensor_parallel=tensor_parallel, expert_parallel=1, on_cpu=on_cpu)
+    check_parallel(layout, tensor_parallel=tensor_parallel, expert_parallel=1)
     moe: dict = {}
     if layout.is_moe:
         moe = dict(
@@ -94,8 +94,15 @@ def build_gpt_model(
             num_experts=layout.num_experts or None, moe_grouped_gemm=False, qk_layernorm=layout.qk_norm
         )
     else:
-        spec = gpt_layer_specs.get_gpt_layer_local_spec(
-            num_experts=layout.num_experts or None, moe_grouped_gemm=False, qk_layernorm=layout.qk_norm, normalization="RMSNorm"
+        from skyrl_megatron.norms import with_sequence_parallel_norms
+
+        # megatron's torch norm wrapper refuses sequence parallelism (which MoE under tensor
+        # parallelism needs); the same torch RMSNorm, with its weight marked, does not.
+        spec = with_sequence_parallel_norms(
+            gpt_layer_specs.get_gpt_layer_local_spec(
+                num_experts=layout.num_experts or None, moe_grouped_gemm=False, qk_layernorm=layout.qk_norm, normalization="RMSNorm"
+            ),
+            layout.num_layers,
         )
     return GPTModel(
         config=config,

@@ -7,9 +7,11 @@ dispatcher and ``SequentialMLP``). With non-stock ones the layer computes what a
 of the same weights computes, on the same shapes, whatever the expert-parallel degree:
 
 - the router op on every token of this rank (the router weight is replicated);
-- the experts op on every token of this rank with **all** experts: the local experts' ``linear_fc1``
-  (``[gate; up]``, transformers' ``gate_up_proj[e]``) and ``linear_fc2`` (``down_proj[e]``) are
-  stacked and all-gathered over the expert-parallel group. Tokens are not dispatched: a token's
+- the experts op on every token of this rank (under sequence parallelism: of its share of the
+  sequence) with **all** experts: the local experts' ``linear_fc1`` (``[gate; up]``,
+  transformers' ``gate_up_proj[e]``) and ``linear_fc2`` (``down_proj[e]``) are stacked and
+  all-gathered over the expert-tensor-parallel group (their row / column pieces) and the
+  expert-parallel group (their experts). Tokens are not dispatched: a token's
   result then depends on that token and the weights only, not on which rank holds its experts.
   Backward of the gather sums the expert gradients over the expert-parallel group (each rank's
   tokens contribute to every expert) and keeps this rank's experts: the gradient megatron's
@@ -37,37 +39,48 @@ def _group_size(group: Any) -> int:
     return int(size)
 
 
-class _GatherExperts(torch.autograd.Function):
-    """All-gather the local experts' stacked weights ``[E_local, ...]`` into ``[E, ...]`` (expert
-    order = rank order); backward: sum over the group, keep this rank's experts."""
+class _GatherExpertShards(torch.autograd.Function):
+    """All-gather the ranks' pieces of the stacked expert weights along ``dim`` into the whole
+    tensor; ``halves``: each piece is ``[gate_r; up_r]`` on ``dim`` (a SwiGLU ``linear_fc1`` split
+    by expert tensor parallelism), reassembled as ``[gate; up]``. Backward: the gradient summed over
+    the group (each rank's tokens reach every expert), this rank's piece kept."""
 
     @staticmethod
-    def forward(ctx, local: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group, ctx.rank, ctx.local = group, dist.get_rank(group), local.shape[0]
-        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    def forward(ctx, local: torch.Tensor, group: Any, dim: int, halves: bool) -> torch.Tensor:
+        ctx.group, ctx.rank, ctx.dim, ctx.halves = group, dist.get_rank(group), dim, halves
+        ctx.world = dist.get_world_size(group)
+        parts = [torch.empty_like(local) for _ in range(ctx.world)]
         dist.all_gather(parts, local.contiguous(), group=group)
-        return torch.cat(parts)
+        if not halves:
+            return torch.cat(parts, dim=dim)
+        pairs = [p.chunk(2, dim=dim) for p in parts]
+        return torch.cat([g for g, _ in pairs] + [u for _, u in pairs], dim=dim)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         grad = grad.contiguous()
         dist.all_reduce(grad, group=ctx.group)
-        return grad[ctx.rank * ctx.local : (ctx.rank + 1) * ctx.local], None
+        halves = grad.chunk(2, dim=ctx.dim) if ctx.halves else (grad,)
+        mine = torch.cat([h.chunk(ctx.world, dim=ctx.dim)[ctx.rank] for h in halves], dim=ctx.dim)
+        return mine, None, None, None
 
 
 def _all_experts(module: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(gate_up_proj [E, 2F, H], down_proj [E, H, F])`` in transformers' layout, every expert."""
+    """``(gate_up_proj [E, 2F, H], down_proj [E, H, F])`` in transformers' layout, every expert:
+    the local experts' pieces gathered over the expert-tensor-parallel group (``linear_fc1`` split
+    on rows, ``linear_fc2`` on columns), then their experts over the expert-parallel group."""
     experts = module.experts
     local = getattr(experts, "local_experts", None)
     if local is None:
         raise NotImplementedError(f"{module._skyrl_name}: {type(experts).__name__} experts (supported: SequentialMLP)")
-    if _group_size(experts.tp_group) > 1:
-        raise NotImplementedError(f"{module._skyrl_name}: experts split by expert tensor parallelism")
     gate_up = torch.stack([e.linear_fc1.weight for e in local])
     down = torch.stack([e.linear_fc2.weight for e in local])
-    group = experts.ep_group
-    if _group_size(group) > 1:
-        gate_up, down = _GatherExperts.apply(gate_up, group), _GatherExperts.apply(down, group)
+    if _group_size(experts.tp_group) > 1:
+        gate_up = _GatherExpertShards.apply(gate_up, experts.tp_group, 1, True)
+        down = _GatherExpertShards.apply(down, experts.tp_group, 2, False)
+    if _group_size(experts.ep_group) > 1:
+        gate_up = _GatherExpertShards.apply(gate_up, experts.ep_group, 0, False)
+        down = _GatherExpertShards.apply(down, experts.ep_group, 0, False)
     return gate_up, down
 
 

@@ -41,6 +41,13 @@ GatedDeltaNet             gdn_conv,        conv and delta rule on this rank's ch
                           gdn_core         output norm as ``rms_norm`` gated by ``z`` (``gdn_sites``)
 ========================  ===============  ==========================================================
 
+Under sequence parallelism (MoE models at tensor parallel > 1: between layers each rank holds a
+share of the sequence) the same paths run on the whole sequence where megatron's layer does: the
+embedding keeps the rank's share of the selected rows, a column-parallel linear first gathers the
+ranks' shares (megatron's gather; backward reduce-scatters), a row-parallel linear keeps the rank's
+share of its whole output (backward all-gathers). Norms, router, experts and combine run per token
+on the rank's share: a token's bits do not depend on which rank holds it.
+
 The price of tensor-parallel independence: every rank computes every projection in full (``tp``
 times the GEMM work of the layer, plus all-gathers of weights each call); at tensor parallel 1
 nothing is gathered and each GEMM is computed once. Gradients are the ordinary ones of this rank's
@@ -122,6 +129,14 @@ class _GatherStack(torch.autograd.Function):
         return grad[ctx.rank], None
 
 
+def _keep_sequence_share(full: torch.Tensor, group: Any) -> torch.Tensor:
+    """This rank's share of the sequence (dim 0) of a tensor every rank holds whole; backward
+    all-gathers the shares' gradients (megatron's ``scatter_to_sequence_parallel_region``)."""
+    from megatron.core.tensor_parallel.mappings import scatter_to_sequence_parallel_region
+
+    return scatter_to_sequence_parallel_region(full, group=group)
+
+
 def _column_layout(qualname: str, module: Any, vocab_size: int | None) -> ColumnLayout:
     config = module.config
     tp = _world(module.tp_group)
@@ -155,8 +170,6 @@ def _refuse(module: Any, what: str) -> None:
 
 def _embedding_forward(module, input_):
     def installed(fn):
-        if module.reduce_scatter_embeddings:
-            _refuse(module, "sequence parallelism")
         group = module.tp_group
         if _world(group) == 1:
             return fn(input_, module.weight, None)
@@ -165,7 +178,10 @@ def _embedding_forward(module, input_):
         stack = _GatherStack.apply(local, group)  # [tp, ..., H]
         owner = (input_ // module.weight.shape[0]).clamp(0, _world(group) - 1)
         index = owner.unsqueeze(0).unsqueeze(-1).expand(1, *local.shape)
-        return stack.gather(0, index).squeeze(0)
+        selected = stack.gather(0, index).squeeze(0)  # [B, S, H]
+        if module.reduce_scatter_embeddings:  # sequence parallelism: [S/tp, B, H], as megatron's
+            return _keep_sequence_share(selected.transpose(0, 1).contiguous(), group)
+        return selected
 
     return module._skyrl_dispatch.call("embedding", module, lambda: module._skyrl_stock_forward(input_), installed)
 
@@ -177,8 +193,10 @@ def _column_forward(module, input_, weight=None, runtime_gather_output=None):
     def installed(fn):
         from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
-        if module.sequence_parallel or module.explicit_expert_comm:
-            _refuse(module, "sequence parallelism / expert communication")
+        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+        if module.explicit_expert_comm:
+            _refuse(module, "expert communication")
         if module.bias is not None and not module.skip_bias_add:
             _refuse(module, "a bias")
         gather = module.gather_output if runtime_gather_output is None else runtime_gather_output
@@ -186,7 +204,10 @@ def _column_forward(module, input_, weight=None, runtime_gather_output=None):
             _refuse(module, "gather_output")
         w = module.weight if weight is None else weight
         group, layout = module.tp_group, module._skyrl_columns
-        x = copy_to_tensor_model_parallel_region(input_, group=group)  # backward: all-reduce dgrad
+        if module.sequence_parallel:  # the ranks' sequence shares gathered; backward: reduce-scatter dgrad
+            x = gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True, group=group)
+        else:
+            x = copy_to_tensor_model_parallel_region(input_, group=group)  # backward: all-reduce dgrad
         rank, local = (dist.get_rank(group) if _world(group) > 1 else 0), w.shape[0]
 
         def compute():
@@ -204,8 +225,8 @@ def _column_forward(module, input_, weight=None, runtime_gather_output=None):
 
 def _row_forward(module, input_):
     def installed(fn):
-        if module.sequence_parallel or module.explicit_expert_comm or not module.input_is_parallel:
-            _refuse(module, "sequence parallelism / expert communication / a non-parallel input")
+        if module.explicit_expert_comm or not module.input_is_parallel:
+            _refuse(module, "expert communication / a non-parallel input")
         if module.bias is not None and not module.skip_bias_add:
             _refuse(module, "a bias")
         group, w = module.tp_group, module.weight
@@ -216,7 +237,10 @@ def _row_forward(module, input_):
             x_full = torch.cat(_all_gather(input_, group), dim=-1)
             return fn(x_full, torch.cat(_all_gather(w, group), dim=1), None)
 
-        return _LocalShardLinear.apply(input_, w, compute), (module.bias if module.skip_bias_add else None)
+        out = _LocalShardLinear.apply(input_, w, compute)
+        if module.sequence_parallel:  # the whole output on every rank: keep this rank's sequence share
+            out = _keep_sequence_share(out, group)
+        return out, (module.bias if module.skip_bias_add else None)
 
     return module._skyrl_dispatch.call("linear", module, lambda: module._skyrl_stock_forward(input_), installed)
 

@@ -34,9 +34,12 @@ class ShardedAdamW:
     gradients are summed over the expert-data-parallel group only, and their norm over the
     expert tensor-and-expert-parallel group.
 
-    Per-head q/k norm weights are replicated but each tensor-parallel rank applies them to its own
-    heads only, so each rank holds part of their gradient: it is summed across the tensor-parallel
-    group (as megatron's ``finalize_model_grads`` does)."""
+    Some replicated weights see only part of the work on each tensor-parallel rank, so each rank
+    holds part of their gradient, which is summed across the tensor-parallel group (as megatron's
+    ``finalize_model_grads`` does): per-head q/k norms and GatedDeltaNet's output norm (each rank
+    has its own heads), and under sequence parallelism every weight megatron marks
+    ``sequence_parallel`` (norms, the MoE router, the shared expert's gate: each rank has its own
+    share of the tokens)."""
 
     def __init__(
         self,
@@ -53,10 +56,12 @@ class ShardedAdamW:
         self.params = [p for _, p in named]
         self.expert_params = [p for n, p in named if ".local_experts." in n]
         self.dense_params = [p for n, p in named if ".local_experts." not in n]
-        # Norms applied per head (Qwen3's q/k norms, GatedDeltaNet's output norm): each
-        # tensor-parallel rank holds other heads, so their gradients are summed over the ranks.
-        self.head_norm_params = [
-            p for n, p in named if n.endswith(("q_layernorm.weight", "k_layernorm.weight", "self_attention.out_norm.weight"))
+        # Each listed once, even where both reasons apply (a q/k norm under sequence parallelism).
+        self.tp_partial_params = [
+            p
+            for n, p in named
+            if getattr(p, "sequence_parallel", False)
+            or n.endswith(("q_layernorm.weight", "k_layernorm.weight", "self_attention.out_norm.weight"))
         ]
         self.grad_clip = grad_clip
         self.tp_group, self.dp_group = tp_group, dp_group
@@ -97,7 +102,7 @@ class ShardedAdamW:
         return math.sqrt(float(sharded + replicated + experts))
 
     def step(self, lr: float) -> float:
-        self._sum_grads(self.head_norm_params, self.tp_group)
+        self._sum_grads(self.tp_partial_params, self.tp_group)
         self._sum_grads(self.dense_params, self.dp_group)
         self._sum_grads(self.expert_params, self.expert_dp_group)
         norm = self.grad_norm()

@@ -23,21 +23,10 @@ def problems(config: Any, options: Any) -> list[str]:
     expert_parallel = int(getattr(options, "expert_parallel", 1))
     try:
         layout = layout_from_hf_config(hf_config)
-        check_parallel(layout, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel, on_cpu=_on_cpu(options, layout, tensor_parallel))
+        check_parallel(layout, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel)
     except ValueError as exc:
         return [f"{exc} (backend.options.tensor_parallel / expert_parallel)"]
     return []
-
-
-def _on_cpu(options: Any, layout: Any, tensor_parallel: int) -> bool:
-    device = getattr(options, "device", "auto")
-    if device != "auto":
-        return device == "cpu"
-    if not (layout.is_moe and tensor_parallel > 1):
-        return False  # nothing depends on it: do not import torch for it
-    import torch
-
-    return not torch.cuda.is_available()
 
 
 def precision_problem(model_dtype: str, options: Any) -> str | None:

@@ -161,7 +161,7 @@ class MegatronRank:
         hf_model = load_causal_lm(attrs.evolve(model, dtype="float32"), seed=seed)
         self.hf_config = hf_model.config
         self.layout: GPTLayout = layout_from_hf_config(hf_model.config)
-        check_parallel(self.layout, tensor_parallel=self.tp, expert_parallel=self.ep, on_cpu=self.device.type == "cpu")
+        check_parallel(self.layout, tensor_parallel=self.tp, expert_parallel=self.ep)
         hf_state = hf_model.state_dict()
         del hf_model
         # The Qwen3-Next hybrid is built from local modules everywhere (skyrl_megatron.hybrid).
@@ -234,6 +234,10 @@ class MegatronRank:
         first = P - shift - 1  # aligned position whose logits predict response token 0
         if bool(((first < 0) & mask[:, P].bool()).any()):
             raise ValueError("a row has a response but no prompt token: its first response token has no context")
+        if self.model.config.sequence_parallel and aligned.shape[1] % self.tp:
+            # Sequence parallelism splits the sequence over the tensor-parallel ranks: pad it to a
+            # multiple of them. Trailing padding is out of every real token's causal view.
+            aligned = torch.nn.functional.pad(aligned, (0, -aligned.shape[1] % self.tp))
         B, S = aligned.shape
         positions = torch.arange(S, device=ids.device).expand(B, S)
         # Local attention needs the causal mask spelled out (its default one is built on CUDA);
