@@ -118,16 +118,18 @@ def handshake(plugin_manager: SkyrlPluginManager, backend: TrainingBackend,
     plugin reports. Returns the plugins' combined verdict (whether the engine's logprobs are the
     trainer's, bit for bit)."""
     trainer_contract = _contract(plugin_manager, "trainer", backend)
-    engine_contract = _contract(plugin_manager, "engine", engine)
     verdicts = []
-    for impl in plugin_manager.hook.skyrl_verify_handshake.get_hookimpls():
-        answer = impl.function(trainer_contract=trainer_contract, engine_contract=engine_contract)
-        if answer is None:
-            continue
-        if not isinstance(answer, HandshakeVerdict):
-            raise TypeError(f"plugin {impl.plugin_name!r}: skyrl_verify_handshake returned a {type(answer).__name__}, "
-                            "not a skyrl_core.types.HandshakeVerdict (or None)")
-        verdicts.append(answer)
+    # separate engines (a router): every replica's process is checked against the trainer
+    for each in getattr(engine, "replicas", None) or [engine]:
+        engine_contract = _contract(plugin_manager, "engine", each)
+        for impl in plugin_manager.hook.skyrl_verify_handshake.get_hookimpls():
+            answer = impl.function(trainer_contract=trainer_contract, engine_contract=engine_contract)
+            if answer is None:
+                continue
+            if not isinstance(answer, HandshakeVerdict):
+                raise TypeError(f"plugin {impl.plugin_name!r}: skyrl_verify_handshake returned a "
+                                f"{type(answer).__name__}, not a skyrl_core.types.HandshakeVerdict (or None)")
+            verdicts.append(answer)
     verdict = HandshakeVerdict.combine(verdicts)
     if verdict.mismatches:
         lines = "\n  ".join(verdict.mismatches)
