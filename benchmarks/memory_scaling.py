@@ -21,6 +21,7 @@ lengths: its logits alone are rows x L x 49k x 4 bytes per copy).
 
     python benchmarks/memory_scaling.py               # 1k 2k 4k 8k, 2 rows
     python benchmarks/memory_scaling.py --lengths 1024 2048 --rows 2
+    python benchmarks/memory_scaling.py --rows 1 --checkpointing on   # the checkpointed sweeps only
     SKYRL_MEMORY_BENCH_MODEL=DIR python benchmarks/memory_scaling.py   # another model directory
 """
 
@@ -185,6 +186,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=2)
     parser.add_argument("--max-gib", type=float, default=12.0, help="skip a measurement predicted above this")
     parser.add_argument("--skip-trl", action="store_true")
+    parser.add_argument("--checkpointing", choices=("on", "off", "both"), default="both",
+                        help="which sweeps to run: activation checkpointing on, off, or both")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -193,12 +196,13 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     print(f"peak RSS of one training step, {args.rows} rows, SmolLM2-135M fp32, 2 threads; each in a fresh process")
-    sweep("skyrl (FSDP, chunked logprobs), activation checkpointing on", "skyrl", args.lengths, args.rows, True, args.max_gib)
-    if not args.skip_trl:
-        sweep("TRL GRPOTrainer, gradient_checkpointing on", "trl", args.lengths, args.rows, True, args.max_gib)
-    sweep("skyrl, activation checkpointing off", "skyrl", args.lengths, args.rows, False, args.max_gib)
-    if not args.skip_trl:
-        sweep("TRL GRPOTrainer, gradient_checkpointing off", "trl", args.lengths, args.rows, False, args.max_gib)
+    for checkpointing in {"on": (True,), "off": (False,), "both": (True, False)}[args.checkpointing]:
+        state = "on" if checkpointing else "off"
+        sweep(f"skyrl (FSDP, chunked logprobs), activation checkpointing {state}", "skyrl", args.lengths, args.rows,
+              checkpointing, args.max_gib)
+        if not args.skip_trl:
+            sweep(f"TRL GRPOTrainer, gradient_checkpointing {state}", "trl", args.lengths, args.rows, checkpointing,
+                  args.max_gib)
 
     length = args.lengths[min(2, len(args.lengths) - 1)]
     print(f"\nvocabulary: skyrl, 2-layer hidden-64 model, {args.rows} rows x {length} tokens, checkpointing off")

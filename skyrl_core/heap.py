@@ -9,7 +9,8 @@ keeps freed blocks in the heap, where the next tensor of the same size reuses th
 on a busy one; ``benchmarks/cpu_gemm.py`` runs both in child processes). ``release_freed_memory`` gives the pages back between steps, so the resident size
 does not keep a step's peak.
 
-``SKYRL_HEAP_TUNING=0`` leaves the allocator alone. Not glibc (musl, macOS): nothing happens.
+``SKYRL_HEAP_TUNING=0`` leaves the allocator alone. ``trainer.heap_mmap_threshold_mib``
+(``set_mmap_threshold``) trades some of the speed for memory: larger blocks get their own maps. Not glibc (musl, macOS): nothing happens.
 """
 
 from __future__ import annotations
@@ -43,8 +44,22 @@ def keep_freed_memory() -> bool:
     if libc is None or os.environ.get("SKYRL_HEAP_TUNING", "1") == "0":
         return False
     # Newer glibc refuses thresholds above its maximum instead of clamping: then take the maximum.
-    ok = libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 or libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) == 1
+    threshold = int(os.environ.get("SKYRL_HEAP_MMAP_MIB", "0")) << 20 or MMAP_THRESHOLD  # trainer.heap_mmap_threshold_mib
+    ok = libc.mallopt(_M_MMAP_THRESHOLD, threshold) == 1 or libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) == 1
     return bool(libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1 and ok)
+
+
+def set_mmap_threshold(mib: int) -> bool:
+    """Serve allocations of at least ``mib`` MiB with their own memory map again (returned to the OS
+    when freed) for this process and the rank processes it starts later (``SKYRL_HEAP_MMAP_MIB``);
+    smaller ones keep reusing heap blocks. A training step frees and re-allocates tensors of many
+    sizes; in the heap they fragment it, and its resident size stays at the high-water mark (for
+    SmolLM2 about twice the live tensors). True when applied."""
+    os.environ["SKYRL_HEAP_MMAP_MIB"] = str(int(mib))
+    libc = _libc()
+    if libc is None or os.environ.get("SKYRL_HEAP_TUNING", "1") == "0":
+        return False
+    return libc.mallopt(_M_MMAP_THRESHOLD, int(mib) << 20) == 1
 
 
 def release_freed_memory() -> None:

@@ -33,7 +33,7 @@ from skyrl_core.algorithms.reductions import reduction_weights
 from skyrl_core.config.errors import ConfigError, ConfigIssue
 from skyrl_core.config.loader import unstructure
 from skyrl_core.config.schema import Config, OffPolicyConfig
-from skyrl_core.heap import keep_freed_memory, release_freed_memory
+from skyrl_core.heap import keep_freed_memory, release_freed_memory, set_mmap_threshold
 from skyrl_core.models import load_tokenizer
 from skyrl_core.plugins.manager import get_plugin_manager
 from skyrl_core.rollout import (
@@ -94,6 +94,8 @@ def train(cfg: Config, *, plugin_manager: SkyrlPluginManager | None = None) -> R
         check_step_memory(cfg, train_rows=inputs.train_rows)
     _seed_everything(tc.seed)
     keep_freed_memory()  # activation tensors reuse heap blocks instead of faulting in fresh pages
+    if tc.heap_mmap_threshold_mib is not None:  # ...up to this size: larger ones are mapped and returned
+        set_mmap_threshold(tc.heap_mmap_threshold_mib)
     run_dir = prepare_output_dir(cfg, inputs.resume_from)  # also removes what a killed checkpoint left
     with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as f:
         yaml.safe_dump(unstructure(cfg), f, sort_keys=False)

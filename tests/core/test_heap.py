@@ -13,8 +13,10 @@ pytestmark = pytest.mark.skipif(heap._libc() is None, reason="not glibc: the hea
 
 PROBE = (
     "import ctypes, torch, time\n"
-    "from skyrl_core.heap import keep_freed_memory\n"
+    "import sys\n"
+    "from skyrl_core.heap import keep_freed_memory, set_mmap_threshold\n"
     "applied = keep_freed_memory()\n"
+    "if len(sys.argv) > 1: set_mmap_threshold(int(sys.argv[1]))\n"
     "class Info(ctypes.Structure):\n"
     "    _fields_ = [(n, ctypes.c_size_t) for n in ('arena','ordblks','smblks','hblks','hblkhd','usmblks','fsmblks','uordblks','fordblks','keepcost')]\n"
     "mallinfo2 = ctypes.CDLL('libc.so.6').mallinfo2\n"
@@ -25,13 +27,13 @@ PROBE = (
 )
 
 
-def _probe(env_value: str | None) -> tuple[bool, int]:
+def _probe(env_value: str | None, *threshold: str) -> tuple[bool, int]:
     import os
 
     env = {k: v for k, v in os.environ.items() if k != "SKYRL_HEAP_TUNING"}
     if env_value is not None:
         env["SKYRL_HEAP_TUNING"] = env_value
-    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, check=True).stdout.split()
+    out = subprocess.run([sys.executable, "-c", PROBE, *threshold], capture_output=True, text=True, env=env, check=True).stdout.split()
     return out[0] == "True", int(out[1])
 
 
@@ -40,6 +42,13 @@ def test_large_tensors_come_from_the_heap_unless_turned_off():
     assert applied and mmapped == 0  # the 16 MiB tensor is a heap block, reusable after free
     applied, mmapped = _probe("0")
     assert not applied and mmapped == 1  # negative control: glibc's default mmaps it
+
+
+def test_a_lower_mmap_threshold_maps_larger_tensors_again():
+    """trainer.heap_mmap_threshold_mib: 16 MiB is at or above 4 MiB, so it gets its own map; at 32 MiB
+    (negative control) it stays a heap block."""
+    assert _probe(None, "4") == (True, 1)
+    assert _probe(None, "32") == (True, 0)
 
 
 RELEASE_PROBE = (
