@@ -38,13 +38,12 @@ from skyrl_tinker.losses import compute_loss
 ADAPTER_FILE = "adapter.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 META_FILE = "adapter.json"
-# Logit entries (rows x padded length x vocab) per forward pass: the logits and their softmax
-# gradients dominate a pass's memory, so a mini-batch is split where they would pass this many
-# (64 Mi fp32 entries, 256 MiB). Fewer, larger passes are faster: a tiny model's 64-datum batch
-# is one pass, SmolLM2's (49k vocab) about four.
-MICRO_BATCH_LOGITS = 1 << 26
-# Passes whose logits reach this many entries give the freed heap back to the OS afterwards.
-RELEASE_AFTER_LOGITS = 1 << 24
+# Estimated memory of one forward/backward pass (padded positions x ``LoraTrainer.bytes_per_token``):
+# a mini-batch is split where it would pass this. Fewer, larger passes are faster: a tiny model's
+# 64-datum batch is one pass, SmolLM2's (576 wide, 30 layers, 49k vocab) about four.
+MICRO_BATCH_BYTES = 1 << 30
+# Passes estimated at this size or more give the freed heap back to the OS afterwards.
+RELEASE_AFTER_BYTES = 1 << 28
 
 
 @attrs.frozen
@@ -88,6 +87,12 @@ class LoraTrainer:
         self.config = self.model.config.get_text_config()
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.max_len = int(getattr(self.config, "max_position_embeddings", 4096))
+        # fp32 bytes a position costs in a training pass: logits, their log-softmax and gradient,
+        # and what each decoder layer keeps for backward (about 8 hidden-wide and 4 MLP-wide values).
+        hidden = int(getattr(self.config, "hidden_size", 0))
+        mlp = int(getattr(self.config, "intermediate_size", 0) or 4 * hidden)
+        layers = int(getattr(self.config, "num_hidden_layers", 0))
+        self.bytes_per_token = 4 * (3 * self.vocab_size + layers * (8 * hidden + 4 * mlp))
         self.adapters: dict[str, Adapter] = {}
 
     # --- adapters ---------------------------------------------------------------------------------
@@ -179,11 +184,11 @@ class LoraTrainer:
                 base_layer.register_parameter("weight", weight)
 
     def _micro_batches(self, examples: Sequence[Example]) -> Iterator[Sequence[Example]]:
-        """Consecutive runs of ``examples`` whose padded logits fit ``MICRO_BATCH_LOGITS`` (at least one datum each)."""
+        """Consecutive runs of ``examples`` whose padded pass fits ``MICRO_BATCH_BYTES`` (at least one datum each)."""
         start, longest = 0, 0
         for end, example in enumerate(examples):
             longest_with = max(longest, len(example.tokens))
-            if end > start and (end - start + 1) * longest_with * self.vocab_size > MICRO_BATCH_LOGITS:
+            if end > start and (end - start + 1) * longest_with * self.bytes_per_token > MICRO_BATCH_BYTES:
                 yield examples[start:end]
                 start, longest_with = end, len(example.tokens)
             longest = longest_with
@@ -196,10 +201,10 @@ class LoraTrainer:
         outputs: list[np.ndarray] = []
         total = 0.0
         summed: dict[str, float] = {}
-        largest_logits = 0
+        largest = 0
         for part in self._micro_batches(examples):
             ids, mask, inputs = self._pad(part)
-            largest_logits = max(largest_logits, ids.numel() * self.vocab_size)
+            largest = max(largest, ids.numel() * self.bytes_per_token)
             with torch.set_grad_enabled(backward), site_scope("trainer_forward" if backward else "trainer_score"):
                 logprobs = self._logprobs(ids, mask, inputs["target_tokens"])
                 loss, metrics = compute_loss(loss_fn, loss_config, logprobs, inputs, mask)
@@ -212,7 +217,7 @@ class LoraTrainer:
                 summed[key] = summed.get(key, 0.0) + float(value) * len(part)
         metrics_out = {f"{k}:mean": v / len(examples) for k, v in summed.items()}
         metrics_out["loss:sum"] = total
-        if largest_logits >= RELEASE_AFTER_LOGITS:
+        if largest >= RELEASE_AFTER_BYTES:
             release_freed_memory()  # (a small pass leaves little to give back; trimming costs ~10 ms)
         return outputs, metrics_out
 
