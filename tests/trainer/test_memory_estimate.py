@@ -148,11 +148,18 @@ def test_a_run_with_every_memory_option_trains_and_a_failing_step_says_where(tmp
     from tests.rollout.envs import TestEnvironments
 
     fresh_plugin_manager.register_plugin(TestEnvironments(), "test-envs")
+    from skyrl_core import heap
+
     options = dict(steps=1, micro_batch_tokens=16, activation_checkpointing=True, logprob_chunk_tokens=64,
-                   engine_sleep=True)
+                   engine_sleep=True, heap_mmap_threshold_mib=4)
     config = write_tiny_config(tmp_path, **options)
     cfg = load_config(str(config), plugin_manager=fresh_plugin_manager)
-    result = train(cfg, plugin_manager=fresh_plugin_manager)
+    monkeypatch.delenv("SKYRL_HEAP_MMAP_MIB", raising=False)  # restored after the test, as is the threshold
+    try:
+        result = train(cfg, plugin_manager=fresh_plugin_manager)
+        assert os.environ["SKYRL_HEAP_MMAP_MIB"] == "4"  # what rank processes started now adopt
+    finally:
+        heap.set_mmap_threshold(heap.MMAP_THRESHOLD >> 20)
     trained = [r for r in result.history if r["step"] == 1][0]
     assert "loss" in trained and "grad_norm" in trained and "eval/accuracy" in trained  # eval ran after a wake
 
