@@ -31,7 +31,7 @@ import torch
 from skyrl_core.config.schema import ModelConfig, TrainerConfig
 from skyrl_core.types import OptimizerHyperparams, TrainingBatch
 from skyrl_tinker.losses import compute_loss
-from skyrl_tinker.trainer import ADAPTER_FILE, META_FILE, AdamStep, Adapter, Example, LoraTrainer, read_meta
+from skyrl_tinker.trainer import ADAPTER_FILE, META_FILE, MICRO_BATCH_BYTES, AdamStep, Adapter, Example, LoraTrainer, read_meta
 
 BACKEND_DIR = "backend"  # the backend's own checkpoint inside a Tinker training checkpoint
 # Tinker loss input -> the TrainingBatch field that carries it through the backend's micro-batches.
@@ -39,14 +39,16 @@ INPUT_FIELDS = {"weights": "token_weights", "logprobs": "rollout_logprobs", "adv
 BACKENDS = ("fsdp",)
 
 
-def build_backend(name: str, model_dir: str, *, rank: int, alpha: float, groups: tuple[str, ...], seed: int) -> Any:
+def build_backend(name: str, model_dir: str, *, rank: int, alpha: float, groups: tuple[str, ...], seed: int,
+                  micro_batch_tokens: int) -> Any:
     from skyrl_core.config.loader import structure_options
     from skyrl_core.plugins.manager import get_plugin_manager
 
     spec = get_plugin_manager().spec("training_backend", name)
     options = structure_options(spec, {"lora": {"rank": rank, "alpha": alpha, "targets": list(groups)}}, path=f"backend:{name}")
-    # Tinker's AdamParams come with every optim_step; the config's lr/clip are not used.
-    trainer = TrainerConfig(micro_batch_size=64, micro_batch_tokens=16384)
+    # Tinker's AdamParams come with every optim_step; the config's lr/clip are not used. Passes are
+    # sized like the in-process trainer's (MICRO_BATCH_BYTES).
+    trainer = TrainerConfig(micro_batch_size=1024, micro_batch_tokens=micro_batch_tokens)
     return spec.load_factory()(ModelConfig(path=model_dir), options, seed=seed, trainer=trainer)
 
 
@@ -68,7 +70,8 @@ class BackendLoraTrainer(LoraTrainer):
         if name in self.adapters:
             raise ValueError(f"adapter {name!r} exists")
         self.check_groups(groups)
-        self.backends[name] = build_backend(self.backend_name, self.model_dir, rank=rank, alpha=alpha, groups=groups, seed=seed)
+        self.backends[name] = build_backend(self.backend_name, self.model_dir, rank=rank, alpha=alpha, groups=groups, seed=seed,
+                                            micro_batch_tokens=max(1, MICRO_BATCH_BYTES // self.bytes_per_token))
         self.adapters[name] = Adapter(name, rank, alpha, groups, seed, optimizer=None)
 
     def remove(self, name: str) -> None:
