@@ -252,9 +252,9 @@ class FullyAsyncRollouts(SyncRollouts):
         with self._lock:
             self._stop = True
             self._lock.notify_all()
-        try:
+        try:  # wakes workers parked in a pause
             self.engine.resume()
-        except NotImplementedError:
+        except Exception:  # (an engine that cannot pause, or a dead engine process: nothing to resume)
             pass
         for t in self._threads:
             t.join()
