@@ -69,3 +69,23 @@ def test_tensor_parallel_2_matches_1_on_gpus():
         with MegatronBackend(ModelConfig(config=dict(TINY_QWEN3)), MegatronOptions(device="cuda", tensor_parallel=tp)) as backend:
             results.append(backend.forward(batch))
     assert (results[0] - results[1]).abs().max().item() <= 1e-4
+
+
+def test_isoexec_refuses_transformer_engine_layers_by_name_in_bf16():
+    """IsoExec paired with Megatron's Transformer Engine layers in bf16: the op sites map megatron's
+    local layers only, so the trainer's contract names every TE layer that computes an op (fused
+    norm + linear, row-parallel linear, TE attention) and the handshake refuses the pair, instead of
+    training with unmapped kernels under a claim of parity."""
+    pytest.importorskip("transformer_engine", reason="the TE layer spec needs transformer_engine")
+    pytest.importorskip("skyrl_isoexec", reason="skyrl-isoexec is not installed")
+    from skyrl_isoexec import state
+    from skyrl_isoexec.contract import build_contract
+
+    with state.enabled_scope(True):
+        model = ModelConfig(config=dict(TINY_QWEN3), dtype="bfloat16")
+        with MegatronBackend(model, MegatronOptions(device="cuda", mixed_precision="bf16")) as backend:
+            contract = backend.execution_contract()
+    assert (contract["layer_spec"], contract["mixed_precision"]) == ("transformer_engine", "bf16")
+    problems = "\n".join(build_contract("trainer", contract["ledger"], enabled=True)["fingerprint"])
+    for te_class in ("TELayerNormColumnParallelLinear", "TERowParallelLinear", "TEDotProductAttention"):
+        assert f"({te_class}) computes an op but has no IsoExec mapping" in problems, problems

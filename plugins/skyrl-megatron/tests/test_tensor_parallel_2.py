@@ -91,7 +91,7 @@ def test_data_parallel_2_trains_like_one_process(ray_session):
     assert [c[1] for c in curve_dp] == pytest.approx([c[1] for c in curve_1], rel=1e-4)
 
 
-@pytest.mark.parametrize("model", [TINY_QWEN3, TINY_LLAMA], ids=["qwen3-tied", "llama-untied"])
+@pytest.mark.parametrize("model", [TINY_QWEN3, TINY_LLAMA, TINY_QWEN3_NEXT], ids=["qwen3-tied", "llama-untied", "qwen3-next"])
 def test_hf_to_tensor_parallel_2_to_hf_is_bit_exact(ray_session, model):
     """The HF model built from the seed, sharded into two Megatron ranks and exported back."""
     expected = load_causal_lm(ModelConfig(config=dict(model)), seed=0).state_dict()
