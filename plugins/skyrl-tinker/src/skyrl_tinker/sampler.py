@@ -34,13 +34,29 @@ def build_engine(name: str, model_dir: str, options: dict[str, Any] | None = Non
 
 
 class Sampler:
-    def __init__(self, engine: Any, *, full_sets: bool = False) -> None:
+    def __init__(self, engine: Any, *, full_sets: bool = False, rests: bool = False) -> None:
         self.engine = engine
         # vLLM reloads weights layer by layer and wants every tensor of a layer (a full set);
         # skyrl-torch copies tensors in place, so only the changed modules are sent.
         self.full_sets = full_sets
+        # skyrl-torch's sleep drops its KV cache and packed weight copies and its wake packs the
+        # current weights once, which a weight update does anyway: so it sleeps while the trainer
+        # needs the memory.
+        self.rests = rests
+        self.awake = True
         self.loaded: str | None = None  # key of the weights in the engine; None: base model
         self.changed: set[str] = set()  # weight names that currently differ from the base
+
+    def rest(self) -> None:
+        """Free the engine's generation memory while the trainer works (engines that rest)."""
+        if self.rests and self.awake:
+            self.engine.sleep()
+            self.awake = False
+
+    def ready(self) -> None:
+        if not self.awake:
+            self.engine.wake()
+            self.awake = True
 
     def load(self, key: str | None, tensors: dict[str, torch.Tensor] | None, base: dict[str, torch.Tensor]) -> None:
         """Make the engine compute with ``tensors`` merged into ``base`` (weight name -> the base

@@ -203,6 +203,7 @@ class TinkerService:
             tensors = self._sampler_weights(job.model_path, job.checkpoint_dir)
             sampler = self._get_sampler()
             sampler.load(job.model_path, tensors, self.trainer.hf_weights() if sampler.full_sets else self.trainer.base_weights())
+            sampler.ready()  # (after the load: a resting engine packs the new weights once)
         except Exception as error:  # noqa: BLE001
             self._record([(fid, self._failure(error)) for fid, _ in jobs])
             return
@@ -428,11 +429,17 @@ class TinkerService:
         return examples
 
     def forward_backward(self, owner: str, call: ForwardBackwardCall) -> dict[str, Any]:
+        from skyrl_tinker.trainer import RELEASE_AFTER_BYTES
+
         self._model(owner, call.model_id)
         examples = self._examples(call)
         model_id, loss_fn, config = call.model_id, call.loss_fn, dict(call.loss_fn_config)
+        # A pass this large is the server's memory peak: the engine gives back what it can meanwhile.
+        large = self.trainer.bytes_per_token * sum(len(e.tokens) for e in examples) >= RELEASE_AFTER_BYTES
 
         def work() -> Result:
+            if large and self._sampler is not None:
+                self._sampler.rest()
             run = self.trainer.forward if call.forward_only else self.trainer.forward_backward
             logprobs, metrics = run(model_id, examples, loss_fn, config)
             return "proto", encode_forward_backward_output(logprobs, metrics)
@@ -703,7 +710,7 @@ class TinkerService:
             from skyrl_tinker.sampler import Sampler, build_engine
 
             engine = build_engine(self.engine_name, self.model_dir, self.engine_options)
-            self._sampler = Sampler(engine, full_sets=self.engine_name != "torch")
+            self._sampler = Sampler(engine, full_sets=self.engine_name != "torch", rests=self.engine_name == "torch")
             print(f"skyrl tinker: sampling engine {self.engine_name!r} started ({type(engine).__module__})", file=sys.stderr, flush=True)
         return self._sampler
 
