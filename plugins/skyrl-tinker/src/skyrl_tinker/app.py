@@ -21,8 +21,9 @@ from skyrl_tinker.wire import WireError, decode_forward_backward
 
 API = "/api/v1"
 NO_RETRY = {"x-should-retry": "false"}
-# How long retrieve_future holds a request open waiting for its result (the SDK polls again at once).
-LONG_POLL_SECONDS = 10.0
+# How long retrieve_future holds a request open waiting for its result (the SDK polls again at once,
+# logging a warning each time; its own timeout for the call is 45 s).
+LONG_POLL_SECONDS = 30.0
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 
 
