@@ -79,6 +79,9 @@ def load_causal_lm(model: ModelConfig, *, seed: int = 0, device: str = "cpu") ->
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             lm = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        # as from_pretrained's config has it: a backend's export writes this config, and vLLM reads
+        # the architecture from it (without one it took the model for a pooling model, not a generator)
+        lm.config.architectures = [type(lm).__name__]
     return lm.to(device).eval()
 
 

@@ -151,6 +151,8 @@ def test_sft_resumes_exactly_after_a_kill_and_exports_a_transformers_model(tmp_p
 
     model = AutoModelForCausalLM.from_pretrained(whole.hf_dir, dtype=torch.float32)
     assert isinstance(ByteTokenizer.from_directory(whole.hf_dir), ByteTokenizer)  # a later run's model.path
+    # the architecture is recorded (vLLM took a config-built model's export without it for a pooling model)
+    assert json.loads((Path(whole.hf_dir) / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
     prompt = torch.tensor([TOK.apply_chat_template(_conversations(1)[0][:1], add_generation_prompt=True)])
     out = model.generate(prompt, max_new_tokens=4, do_sample=False)
     assert out.shape == (1, prompt.shape[1] + 4)
@@ -192,3 +194,16 @@ def test_sft_on_smollm2_lowers_eval_loss_and_exports_a_model_that_generates(tmp_
     text = tokenizer.decode(out[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
     assert " + " in text and " = " in text, text  # the trained reply format
     json.dumps(result.history)  # metrics are plain JSON
+
+    # packed and unpacked batches of the same real conversations: the same fp32 loss
+    from skyrl_fsdp.backend import FSDPBackend
+    from skyrl_fsdp.options import FSDPOptions
+
+    samples = [render_chat(tokenizer, row["messages"]) for row in load_chat_dataset(SFT_DATA / "eval.jsonl")[:6]]
+    with FSDPBackend(ModelConfig(path=result.hf_dir), FSDPOptions(device="cpu"),
+                     trainer=TrainerConfig(micro_batch_size=6)) as backend:
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        (packed, rows), (plain, _) = (build_sft_batch(samples, pad, pack=p, max_length=1024) for p in (True, False))
+        assert len(packed) < len(plain) and max(map(len, rows)) >= 2
+        losses = [backend.forward_backward(token_mean_weights(b), _nll())["loss"] for b in (packed, plain)]
+    assert abs(losses[0] - losses[1]) < 1e-5 and losses[0] > 0.01, losses
