@@ -37,8 +37,8 @@ class StockVLLM:
         import vllm
         from vllm.platforms import current_platform
 
+        from skyrl_core.engines.model_dir import materialize_model
         from skyrl_vllm.engine import engine_kwargs
-        from skyrl_vllm.model_dir import materialize_model
 
         self._dir = __import__("tempfile").TemporaryDirectory(prefix="skyrl-bench-stock-")
         model_dir, tokenizer_dir = materialize_model(model_config, seed=0, parent_dir=self._dir.name)
