@@ -31,7 +31,7 @@ class EngineActor:
     def __init__(self, engine: Any, model: Any, seed: int, environ: dict[str, str]) -> None:
         from skyrl_core.local_ray import adopt_skyrl_environment
         from skyrl_core.plugins.manager import get_plugin_manager
-        from skyrl_core.trainer.runtime import build_selected
+        from skyrl_core.plugins.building import build_selected
 
         adopt_skyrl_environment(environ)
         self.engine = build_selected(get_plugin_manager(), "inference_engine", engine, model, seed=seed)

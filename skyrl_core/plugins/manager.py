@@ -263,23 +263,6 @@ class SkyrlPluginManager(pluggy.PluginManager):
     def spec(self, kind: str, name: str) -> ComponentSpec:
         return self.registry.get(kind, name)
 
-    def build(self, kind: str, name: str, options: dict[str, Any] | None = None, **kwargs: Any) -> Any:
-        """Build component ``name`` of ``kind`` with ``options`` validated by its options class.
-
-        Environments are built as ``factory(**options)``; other kinds as ``factory(options_obj, **kwargs)``
-        (or ``factory(**kwargs)`` when the component has no options class).
-        """
-        from skyrl_core.config.loader import structure_options
-
-        spec = self.spec(kind, name)
-        opts = structure_options(spec, options or {}, path=f"{kind}:{name}")
-        factory = spec.load_factory()
-        if kind == "environment":
-            return factory(**(attrs.asdict(opts, recurse=False) if opts is not None else {}))
-        if opts is None:
-            return factory(**kwargs)
-        return factory(opts, **kwargs)
-
     def listing(self) -> list[PluginInfo]:
         """Every plugin with what it provides (forces registration)."""
         try:

@@ -64,7 +64,9 @@ class EnvironmentFactory:
         if options is not None and attrs.has(type(options)):
             factory = self.pm.spec("environment", env_class).load_factory()
             return factory(**attrs.asdict(options, recurse=False))
-        return self.pm.build("environment", env_class, dict(options or {}))
+        from skyrl_core.plugins.building import build_component
+
+        return build_component(self.pm, "environment", env_class, dict(options or {}))
 
 
 @attrs.define

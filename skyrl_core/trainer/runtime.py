@@ -7,8 +7,9 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from skyrl_core.config.schema import Config, ModelConfig, Selection
+from skyrl_core.config.schema import Config, ModelConfig
 from skyrl_core.model_sources import make_if_missing
+from skyrl_core.plugins.building import build_selected
 from skyrl_core.types import HandshakeVerdict
 
 if TYPE_CHECKING:
@@ -30,18 +31,6 @@ def resolve_model(model: ModelConfig, plugin_manager: SkyrlPluginManager | None 
     make_if_missing(path, plugin_manager)
     tokenizer = os.path.expanduser(model.tokenizer) if model.tokenizer else None
     return attrs.evolve(model, path=path, tokenizer=tokenizer)
-
-
-def build_selected(plugin_manager: SkyrlPluginManager, kind: str, selection: Selection, *args: Any, **kwargs: Any) -> Any:
-    """Build the component ``selection`` names, passing its already structured options object:
-    ``factory(*args, options, **kwargs)`` (engines and backends take ``(model, options, ...)``)."""
-    spec = plugin_manager.spec(kind, selection.name)
-    options = selection.options
-    if isinstance(options, dict):  # a Selection made in Python rather than by the config loader
-        from skyrl_core.config.loader import structure_options
-
-        options = structure_options(spec, options, path=f"{kind}:{selection.name}")
-    return spec.load_factory()(*args, options, **kwargs)
 
 
 def build_engine(plugin_manager: SkyrlPluginManager, cfg: Config, model: ModelConfig, *,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from skyrl_core.plugins import hookimpl
+from skyrl_core.plugins.building import build_component
 from skyrl_core.plugins.manager import UnknownComponentError, new_plugin_manager
 from skyrl_core.plugins.records import EnvironmentSpec, InferenceEngineSpec, PolicyLossSpec
 
@@ -132,13 +133,13 @@ def test_build_validates_options_before_calling_the_factory(builtin_plugin_manag
 
     pm = builtin_plugin_manager
     pm.register_plugin(LossPlugin(), "loss")
-    fn = pm.build("policy_loss", "scaled", {"scale": 3})
+    fn = build_component(pm, "policy_loss", "scaled", {"scale": 3})
     assert fn(2) == 6.0
     import tmp_component
     from skyrl_core.config.errors import ConfigError
 
     with pytest.raises(ConfigError) as info:
-        pm.build("policy_loss", "scaled", {"scael": 3})
+        build_component(pm, "policy_loss", "scaled", {"scael": 3})
     assert "policy_loss:scaled.scael: unknown key" in str(info.value)
     assert "did you mean 'scale'?" in str(info.value)
     assert len(tmp_component.calls) == 1  # the bad call never reached the factory
