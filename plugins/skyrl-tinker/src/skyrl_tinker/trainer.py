@@ -40,8 +40,8 @@ OPTIMIZER_FILE = "optimizer.pt"
 META_FILE = "adapter.json"
 # Estimated memory of one forward/backward pass (padded positions x ``LoraTrainer.bytes_per_token``):
 # a mini-batch is split where it would pass this. Fewer, larger passes are faster: a tiny model's
-# 64-datum batch is one pass, SmolLM2's (576 wide, 30 layers, 49k vocab) six (11 rows each).
-MICRO_BATCH_BYTES = 768 << 20
+# 64-datum batch is one pass, SmolLM2's (576 wide, 30 layers, 49k vocab) five (15 rows each).
+MICRO_BATCH_BYTES = 1 << 30
 # Passes estimated at this size or more give the freed heap back to the OS afterwards.
 RELEASE_AFTER_BYTES = 1 << 28
 
