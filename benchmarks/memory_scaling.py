@@ -22,6 +22,7 @@ lengths: its logits alone are rows x L x 49k x 4 bytes per copy).
     python benchmarks/memory_scaling.py               # 1k 2k 4k 8k, 2 rows
     python benchmarks/memory_scaling.py --lengths 1024 2048 --rows 2
     python benchmarks/memory_scaling.py --rows 1 --checkpointing on   # the checkpointed sweeps only
+    python benchmarks/memory_scaling.py --heap-mmap-mib 4   # as trainer.heap_mmap_threshold_mib: 4
     SKYRL_MEMORY_BENCH_MODEL=DIR python benchmarks/memory_scaling.py   # another model directory
 """
 
@@ -70,6 +71,11 @@ def measure_skyrl(length: int, rows: int, checkpointing: bool, model: dict[str, 
     from skyrl_fsdp.options import FSDPOptions
 
     torch.set_num_threads(2)
+    if os.environ.get("SKYRL_HEAP_MMAP_MIB"):  # --heap-mmap-mib: what trainer.heap_mmap_threshold_mib sets
+        from skyrl_core.heap import keep_freed_memory, set_mmap_threshold
+
+        keep_freed_memory()
+        set_mmap_threshold(int(os.environ["SKYRL_HEAP_MMAP_MIB"]))
     config = ModelConfig(config=model) if model else ModelConfig(path=SMOLLM2)
     trainer = TrainerConfig(lr=1e-6, micro_batch_size=rows, micro_batch_tokens=rows * length,
                             activation_checkpointing=checkpointing)
@@ -188,14 +194,19 @@ def main() -> None:
     parser.add_argument("--skip-trl", action="store_true")
     parser.add_argument("--checkpointing", choices=("on", "off", "both"), default="both",
                         help="which sweeps to run: activation checkpointing on, off, or both")
+    parser.add_argument("--heap-mmap-mib", type=int, default=None,
+                        help="skyrl's steps with trainer.heap_mmap_threshold_mib (default: the heap tuning's 1024)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(json.loads(args.child))
         return
+    if args.heap_mmap_mib is not None:  # children inherit it
+        os.environ["SKYRL_HEAP_MMAP_MIB"] = str(args.heap_mmap_mib)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    print(f"peak RSS of one training step, {args.rows} rows, SmolLM2-135M fp32, 2 threads; each in a fresh process")
+    heap = f"heap mmap threshold {args.heap_mmap_mib} MiB" if args.heap_mmap_mib else "heap tuning's default"
+    print(f"peak RSS of one training step, {args.rows} rows, SmolLM2-135M fp32, 2 threads, {heap}; each in a fresh process")
     for checkpointing in {"on": (True,), "off": (False,), "both": (True, False)}[args.checkpointing]:
         state = "on" if checkpointing else "off"
         sweep(f"skyrl (FSDP, chunked logprobs), activation checkpointing {state}", "skyrl", args.lengths, args.rows,
