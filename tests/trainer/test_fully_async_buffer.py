@@ -36,9 +36,13 @@ def test_stale_groups_are_dropped_or_regenerated_and_counted(tmp_path, on_stale)
     try:
         _, samples, metrics = source.collect(1)  # trains version 0: everything so far is version 0
         assert {v for s in samples for v in s.versions} == {0} and metrics["async/dropped"] == 0
-        while len(source._buffer) < source._capacity:  # the workers fill the buffer under version 0
-            time.sleep(0.01)
+        # Admission: under version 0 no group starts beyond the step's two; under version 1 two more.
+        assert source._groups == 2
         source.sync_weights(1, lambda: iter(weights))
+        deadline = time.monotonic() + 60
+        while len(source._buffer) < 2 and time.monotonic() < deadline:  # the two groups of version 1
+            time.sleep(0.01)
+        assert len(source._buffer) == 2 and source._groups == 4
         source.sync_weights(2, lambda: iter(weights))
         _, samples, metrics = source.collect(3)  # trains version 2: the buffered groups are stale
         assert metrics["async/dropped"] >= 2 and metrics["async/staleness_max"] == 0
