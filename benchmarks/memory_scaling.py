@@ -170,6 +170,9 @@ def sweep(label: str, kind: str, lengths: list[int], rows: int, checkpointing: b
     print(f"\n{label}")
     print(f"  {'tokens/sample':>13} {'peak MB':>9} {'step growth MB':>15}")
     points = []
+    if kind == "trl" and rows < 2:
+        print("  skipped: GRPOTrainer needs at least 2 rows (generations per prompt); use --rows 2 or more")
+        return
     for length in lengths:
         predicted = predicted_gib(kind, length, rows, checkpointing)
         if predicted > max_gib:
