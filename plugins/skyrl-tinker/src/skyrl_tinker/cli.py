@@ -82,7 +82,7 @@ def tinker_group() -> None:
 @click.option("--checkpoints", "checkpoint_dir", default="tinker-checkpoints", show_default=True, type=click.Path(file_okay=False), help="directory for saved weights")
 @click.option("--api-keys", "api_keys_file", default=None, type=click.Path(exists=True, dir_okay=False), help="file of accepted API keys, one a line; without it any key is accepted")
 @click.option("--lora-alpha", type=click.FloatRange(min=0, min_open=True), default=32.0, show_default=True, help="LoRA alpha (scale alpha / rank)")
-@click.option("--heap-mmap-mib", type=click.IntRange(min=0), default=4, show_default=True, help="tensors of at least this many MiB get their own memory map, returned when freed (0: every freed tensor stays in the heap for reuse, which fragments it and keeps the resident size at its high-water mark)")
+@click.option("--heap-mmap-mib", type=click.IntRange(min=0), default=0, show_default=True, help="tensors of at least this many MiB get their own memory map, returned when freed (0: every freed tensor stays in the heap for reuse, which fragments it and keeps the resident size at its high-water mark)")
 @click.option("--max-request-bytes", type=click.IntRange(min=1024), default=64 * 1024 * 1024, show_default=True, help="larger request bodies get 413")
 def serve(
     model_dir: str, model_name: str | None, engine: str, engine_option: tuple[str, ...], backend: str | None, host: str, port: int, db_url: str | None,
