@@ -16,6 +16,7 @@ import os
 from typing import Any, Iterable
 
 MARKER_FILE = "byte_tokenizer.json"
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 class ByteTokenizer:
@@ -36,9 +37,11 @@ class ByteTokenizer:
 
     @classmethod
     def from_directory(cls, directory: str) -> "ByteTokenizer | None":
-        """The tokenizer ``save_pretrained`` wrote into ``directory``; None if it wrote none there."""
+        """The tokenizer ``save_pretrained`` wrote into ``directory``; None if it wrote none there, or
+        if a Hugging Face tokenizer was put there too (that one is the directory's tokenizer: a user
+        who adds one to a tiny model's export chose it)."""
         path = os.path.join(directory, MARKER_FILE)
-        if not os.path.isfile(path):
+        if not os.path.isfile(path) or any(os.path.isfile(os.path.join(directory, f)) for f in HF_TOKENIZER_FILES):
             return None
         with open(path, encoding="utf-8") as f:
             return cls(vocab_size=int(json.load(f)["vocab_size"]))

@@ -63,6 +63,17 @@ def test_a_directory_holding_the_byte_tokenizer_gets_its_tokenizers_equivalent(t
     assert materialize_model(ModelConfig(path=str(tmp_path), tokenizer="tok"), parent_dir=str(tmp_path)) == (str(tmp_path), "tok")
 
 
+def test_a_hugging_face_tokenizer_beside_the_byte_marker_is_the_directorys_tokenizer(tmp_path):
+    from skyrl_core.models import load_tokenizer
+
+    ByteTokenizer(vocab_size=300).save_pretrained(str(tmp_path))
+    assert isinstance(load_tokenizer(ModelConfig(path=str(tmp_path))), ByteTokenizer)
+    write_byte_tokenizer(str(tmp_path), 300)  # a Hugging Face tokenizer put beside the marker
+    assert ByteTokenizer.from_directory(str(tmp_path)) is None
+    assert not isinstance(load_tokenizer(ModelConfig(path=str(tmp_path))), ByteTokenizer)
+    assert materialize_model(ModelConfig(path=str(tmp_path)), parent_dir=str(tmp_path)) == (str(tmp_path), None)
+
+
 def test_check_weights_names_the_bad_tensor():
     shapes = {"a.weight": (2, 3)}
     check_weights([("a.weight", torch.zeros(2, 3))], shapes)
