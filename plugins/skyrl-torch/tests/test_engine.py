@@ -156,6 +156,31 @@ def test_two_threads_give_the_same_samples_and_the_thread_count_is_restored(refe
     assert_logprobs_match(reference, [s for g in two for s in g])
 
 
+def test_threads_option_sets_generation_threads_on_the_driving_thread_only():
+    """``threads`` holds while the scheduler runs, on the thread that drives it; the caller's count
+    comes back after, and another thread's (the trainer's, beside it) never changes."""
+    import threading
+
+    torch.set_num_threads(2)  # the autouse fixture restores the previous setting
+    seen: dict[str, list[int]] = {}
+    for threads in (1, None):
+        eng = engine(threads=threads)
+        original = eng._forward_rows
+
+        def recording(*args, _seen=seen.setdefault(str(threads), []), _original=original, **kwargs):
+            _seen.append(torch.get_num_threads())
+            return _original(*args, **kwargs)
+
+        eng._forward_rows = recording
+        driver = threading.Thread(target=lambda: (torch.set_num_threads(2), eng.generate([request(prompt(5), "a", max_tokens=4)]),
+                                                  seen.setdefault(f"after {threads}", []).append(torch.get_num_threads())))
+        driver.start()
+        driver.join()
+        assert torch.get_num_threads() == 2  # this (trainer) thread
+    assert set(seen["1"]) == {1} and set(seen["None"]) == {2}  # negative control: without the option, the caller's
+    assert seen["after 1"] == [2] and seen["after None"] == [2]
+
+
 def test_native_weight_views_follow_update_weights(reference):
     """The native decoder stacks q/k/v and gate/up into fused tensors that the parameters view."""
     eng = engine()
@@ -212,7 +237,7 @@ def test_any_causal_lm_runs_through_transformers_modules():
     "field, value, message",
     [("max_num_seqs", 0, "max_num_seqs must be an integer >= 1"), ("implementation", "fast", "implementation must be one of"),
      ("attention", "flash", "attention must be one of"), ("max_model_len", -1, "max_model_len must be"),
-     ("prepack_weights", "yes", "prepack_weights must be true or false")],
+     ("prepack_weights", "yes", "prepack_weights must be true or false"), ("threads", 0, "threads must be")],
 )
 def test_options_are_validated(field, value, message):
     with pytest.raises(ValueError, match=message):

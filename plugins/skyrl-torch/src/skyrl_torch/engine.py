@@ -255,6 +255,10 @@ class TorchEngine:
     def _drive(self, ticket: _Ticket) -> None:
         """Run the scheduler (for every caller's samples) until this caller's samples are done,
         stopping at token boundaries while a pause is requested; then hand over."""
+        # (per thread with OpenMP: another thread's setting, the trainer's, is left alone)
+        caller_threads = torch.get_num_threads()
+        if self.options.threads is not None:
+            torch.set_num_threads(self.options.threads)
         try:
             with torch.inference_mode():
                 while True:
@@ -279,6 +283,8 @@ class TorchEngine:
                 ticket.error = None
                 raise
         finally:
+            if torch.get_num_threads() != caller_threads:
+                torch.set_num_threads(caller_threads)
             with self._lock:
                 self._driver = None
                 self._parked = False

@@ -70,3 +70,13 @@ class TorchEngineOptions:
     device: str = attrs.field(
         default="cpu", validator=one_of(*DEVICES), metadata={"help": "where the model and KV cache live"}
     )
+    threads: int | None = attrs.field(
+        default=None,
+        validator=optional_positive_int,
+        metadata={
+            "help": "CPU intra-op threads of generation (set on the thread that drives the scheduler while it "
+            "drives, then restored): when generation runs beside training on the same cores (trainer.mode "
+            "one_step_off / fully_async), generation threads + training threads <= cores avoids "
+            "oversubscription; default: the calling thread's (torch.get_num_threads())"
+        },
+    )
