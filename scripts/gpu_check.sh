@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 status=0
 make venv || exit 1
 .venv/bin/python -m pytest -m gpu -q -rs || status=1
-for script in scripts/gpu_engines_check.sh scripts/gpu_megatron_check.sh; do
+for script in scripts/gpu_engines_check.sh scripts/gpu_megatron_check.sh scripts/gpu_isoexec_vllm_check.sh; do
   if [ -f "$script" ]; then
     echo "== $script"
     bash "$script" || status=1

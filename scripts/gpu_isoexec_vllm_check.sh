@@ -2,7 +2,10 @@
 # IsoExec inside CUDA vLLM on one GPU machine, in under 10 minutes (called by scripts/gpu_check.sh):
 # plugins/skyrl-isoexec/tests/vllm/test_vllm_isoexec_gpu.py, i.e. CUDA vLLM with IsoExec against
 # the CUDA FSDP trainer, bitwise, for Qwen3, Llama, Qwen3-MoE and Qwen3-Next in float32 and bfloat16, plus stock CUDA vLLM
-# as the negative control.
+# as the negative control; and the seed's own pairing, the skyrl-megatron trainer in bf16 against CUDA
+# vLLM for Qwen3, Llama and Qwen3-MoE where Transformer Engine is installed in this venv (IsoExec on:
+# megatron's local layers in bf16, 0 differing; off: Transformer Engine's layers, differing). Without
+# transformer_engine (install a build matching vllm's CUDA torch into $VENV) those tests skip.
 #
 # What differs from the CPU checks: the canonical attention is registered in vLLM's CUSTOM backend
 # slot and selected with attention_config={"backend": "CUSTOM"} (on CPU it replaces CPU_ATTN); the
@@ -23,7 +26,7 @@ if [ -n "${WHEELHOUSE:-}" ]; then PIP_SOURCE=(--no-index --find-links "$WHEELHOU
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 "$VENV/bin/pip" install -q "${PIP_SOURCE[@]}" vllm psutil pytest pytest-timeout
 "$VENV/bin/pip" install -q "${PIP_SOURCE[@]}" -e ".[train,dev]" -e plugins/skyrl-vllm -e plugins/skyrl-fsdp \
-  -e plugins/skyrl-isoexec
+  -e plugins/skyrl-isoexec -e plugins/skyrl-megatron "megatron-core==0.16.1"
 "$VENV/bin/python" -c 'import torch, vllm; print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, vllm {vllm.__version__}, {torch.cuda.device_count()} GPU(s)")'
 timeout 540 "$VENV/bin/python" -m pytest plugins/skyrl-isoexec/tests/vllm/test_vllm_isoexec_gpu.py -m gpu -q -rs \
   -p no:cacheprovider

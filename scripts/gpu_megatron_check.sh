@@ -4,8 +4,8 @@
 # (Transformer Engine layer spec when transformer_engine imports, else megatron's local spec;
 # megatron-core's DDP wrapper and optimizer; nccl) and bf16 training with megatron's fp32 main
 # parameters, for Qwen3, Qwen3-MoE (TE layers, all-to-all dispatcher) and the Qwen3-Next hybrid (local
-# modules; needs flash-linear-attention, else that class skips with the reason), and IsoExec paired
-# with the TE layers in bf16 (refused by name: the op sites map megatron's local layers only). The two-GPU test
+# modules; needs flash-linear-attention, else that class skips with the reason), and IsoExec on with TE
+# installed in bf16 (the rank builds megatron's local layers instead: the op sites map those only). The two-GPU test
 # skips on a single GPU. Not run yet: no GPU was available while writing it.
 set -euo pipefail
 cd "$(dirname "$0")/.."

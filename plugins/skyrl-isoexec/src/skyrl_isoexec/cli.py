@@ -51,7 +51,9 @@ def contract_show(config_path: str, overrides: tuple[str, ...]) -> None:
 @isoexec_group.command("verify")
 @click.option("--preset", type=click.Choice(sorted(PRESETS)), help="A tiny random model of this family.")
 @click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False), help="A local Hugging Face model directory.")
-@click.option("--engine", default="torch", show_default=True, help="Registered inference engine to generate with.")
+@click.option("--engine", "engine_names", multiple=True, metavar="NAME[,NAME...]",
+              help="Registered inference engine(s) to generate with (default: torch); several (comma-separated or "
+                   "repeated, e.g. --engine torch,vllm) are each compared against one trainer, built once.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="Model, prompt and sampling seed.")
 @click.option("--batches", type=click.IntRange(min=1), default=3, show_default=True, help="Generation batches.")
@@ -62,17 +64,19 @@ def contract_show(config_path: str, overrides: tuple[str, ...]) -> None:
               help="Megatron only: tensor-parallel degree (2 or more runs Ray actors); the bits must not change with it.")
 @click.option("--expert-parallel", type=click.IntRange(min=1), default=1, show_default=True,
               help="Megatron only, MoE models: experts split over this many data-parallel replicas (Ray actors).")
-@click.option("--engine-option", "engine_option", multiple=True, metavar="KEY=VALUE",
+@click.option("--engine-option", "engine_option", multiple=True, metavar="[ENGINE:]KEY=VALUE",
               help="An option of the engine (as under engine.options in a config; YAML value), repeatable, "
-                   "e.g. --engine-option multiprocess=false.")
-def verify_command(preset, model_dir, engine, dtype, seed, batches, off, backend, tensor_parallel, expert_parallel,
+                   "e.g. --engine-option multiprocess=false; with several engines, name the engine: "
+                   "--engine-option vllm:multiprocess=false.")
+def verify_command(preset, model_dir, engine_names, dtype, seed, batches, off, backend, tensor_parallel, expert_parallel,
                    engine_option) -> None:
-    """Generate with the engine, score the same tokens in the trainer, compare bits; exit 1 if any differ.
+    """Generate with each engine, score the same tokens in the trainer, compare bits; exit 1 if any differ.
 
     The trainer is skyrl-fsdp (default) or, with --backend megatron, skyrl-megatron at
-    --tensor-parallel 1 or more; with IsoExec on either gives the engine's bits (0 differing tokens),
-    --off shows how many differ natively. Exit 2: the pair cannot run (e.g. bfloat16 with megatron,
-    which trains in fp32 on CPU).
+    --tensor-parallel / --expert-parallel 1 or more; with IsoExec on it gives each engine's bits
+    (0 differing tokens), --off shows how many differ natively. Several engines are checked in turn
+    against the one trainer, each with its own result lines. Exit 2: the pair cannot run (e.g.
+    bfloat16 with megatron, which trains in fp32 on CPU).
     """
     if (preset is None) == (model_dir is None):
         raise click.UsageError("give exactly one of --preset and --model")
@@ -82,21 +86,57 @@ def verify_command(preset, model_dir, engine, dtype, seed, batches, off, backend
         raise click.UsageError("--expert-parallel needs --backend megatron")
     from skyrl_core.config.errors import ConfigError
     from skyrl_core.plugins.manager import PluginError
-    from skyrl_isoexec.verify import verify
+    from skyrl_isoexec.verify import verify_engines
 
-    engine_options = _key_values(engine_option, flag="--engine-option")
+    engines = _engine_names(engine_names)
+    engine_options = _engine_options(engine_option, engines)
     try:
-        report = verify(
-            preset=preset, model_dir=model_dir, engine=engine, dtype=dtype, seed=seed, batches=batches, off=off,
+        reports = verify_engines(
+            engines=engines, preset=preset, model_dir=model_dir, dtype=dtype, seed=seed, batches=batches, off=off,
             backend=backend, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
             engine_options=engine_options, echo=click.echo,
         )
     except (NotImplementedError, ValueError, KeyError, PluginError, ConfigError) as exc:  # a pair that cannot run
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
-    if report.contract_problems and not off:
-        click.echo("contract mismatch: the handshake would refuse this pair")
-    sys.exit(1 if report.differing or (report.contract_problems and not off) else 0)
+    refused = [name for name, report in reports.items() if report.contract_problems and not off]
+    for name in refused:
+        click.echo(f"contract mismatch with engine {name}: the handshake would refuse this pair")
+    sys.exit(1 if refused or any(report.differing for report in reports.values()) else 0)
+
+
+def _engine_names(given: tuple[str, ...]) -> tuple[str, ...]:
+    """``--engine`` values, comma-separated or repeated, in order; refused if empty or repeated."""
+    names = tuple(part.strip() for value in given for part in value.split(","))
+    if not names:
+        return ("torch",)
+    if "" in names:
+        raise click.BadParameter(f"an empty engine name in {list(given)}", param_hint="--engine")
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise click.BadParameter(f"{', '.join(repeated)} given more than once", param_hint="--engine")
+    return names
+
+
+def _engine_options(items: tuple[str, ...], engines: tuple[str, ...]) -> dict[str, dict]:
+    """``[ENGINE:]KEY=VALUE`` strings as each engine's options; without ``ENGINE:`` (one engine only)
+    the option is the one engine's."""
+    flag = "--engine-option"
+    out: dict[str, dict] = {name: {} for name in engines}
+    for item in items:
+        name, colon, _ = item.partition("=")[0].partition(":")
+        if not colon:
+            if len(engines) > 1:
+                raise click.BadParameter(
+                    f"{item!r} names no engine; with several engines ({', '.join(engines)}) write ENGINE:KEY=VALUE",
+                    param_hint=flag,
+                )
+            name, item = engines[0], f"{engines[0]}:{item}"
+        name = name.strip()
+        if name not in out:
+            raise click.BadParameter(f"{item!r} is for engine {name!r}, not among --engine {', '.join(engines)}", param_hint=flag)
+        out[name].update(_key_values((item.partition(":")[2],), flag=flag))
+    return out
 
 
 def _key_values(items: tuple[str, ...], *, flag: str) -> dict:

@@ -1,16 +1,19 @@
-"""``skyrl isoexec verify``: generate with an engine, score the same tokens in the trainer, compare bits.
+"""``skyrl isoexec verify``: generate with one or more engines, score the same tokens in the trainer,
+compare bits.
 
-The engine generates over mixed prompt lengths and batch compositions; the trainer (the skyrl-fsdp
-backend, or skyrl-megatron at tensor parallel 1 or more) then scores every sample under several
-batch compositions (all at once, reversed, one at a time), so each token is scored with other
-paddings, neighbours and micro-batchings than it was generated with. Logprobs are compared on their
-fp32 bit patterns.
+The trainer is built once (for Megatron at tensor or expert parallel 2, its Ray ranks: the costly
+part); each engine in turn generates over mixed prompt lengths and batch compositions, and the
+trainer (the skyrl-fsdp backend, or skyrl-megatron at tensor and expert parallel 1 or more) scores
+every sample under several batch compositions (all at once, reversed, one at a time), so each token
+is scored with other paddings, neighbours and micro-batchings than it was generated with. Logprobs
+are compared on their fp32 bit patterns, per engine.
 """
 
 from __future__ import annotations
 
+import functools
 import random
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
 import attrs
 
@@ -29,6 +32,7 @@ class Comparison:
 
 @attrs.frozen
 class VerifyReport:
+    engine: str
     enabled: bool
     trainer_hash: str
     engine_hash: str
@@ -54,7 +58,7 @@ def build_runtime(kind: str, name: str, options: dict[str, Any], model: Any, **k
     from skyrl_core.plugins.manager import get_plugin_manager
 
     spec = get_plugin_manager().spec(kind, name)
-    return spec.load_factory()(model, structure_options(spec, options, path=f"{kind}:{name}"), **kwargs)
+    return build_structured(kind, name, structure_options(spec, options, path=f"{kind}:{name}"), model, **kwargs)
 
 
 TRAINER_BACKENDS = ("fsdp", "megatron")
@@ -143,11 +147,62 @@ def compare_logprobs(name: str, samples: list[Any], scored: Any) -> Comparison:
     return Comparison(name=name, tokens=tokens, differing=differing, max_abs_diff=worst)
 
 
-def verify(
+def verify(*, engine: str = "torch", engine_options: dict[str, Any] | None = None, **kwargs: Any) -> VerifyReport:
+    """``verify_engines`` with one engine: its report."""
+    return verify_engines(engines=(engine,), engine_options={engine: dict(engine_options or {})}, **kwargs)[engine]
+
+
+def check_engines(engines: Sequence[str], engine_options: Mapping[str, Mapping[str, Any]] | None) -> dict[str, dict[str, Any]]:
+    """Each engine's options as given: an empty or repeated engine list, or options for an engine not
+    asked for, is refused here (the options themselves are checked by ``preflight``)."""
+    if isinstance(engines, str) or not engines:
+        raise ValueError(f"engines: give a non-empty sequence of engine names, got {engines!r}")
+    repeated = sorted({e for e in engines if list(engines).count(e) > 1})
+    if repeated:
+        raise ValueError(f"engines: {', '.join(repeated)} given more than once in {list(engines)}")
+    options = {name: dict(opts) for name, opts in (engine_options or {}).items()}
+    stray = sorted(set(options) - set(engines))
+    if stray:
+        raise ValueError(f"engine options for {', '.join(stray)}, which is not among the engines {list(engines)}")
+    return {name: options.get(name, {}) for name in engines}
+
+
+def preflight(model: Any, components: Sequence[tuple[str, str, dict[str, Any]]]) -> list[tuple[str, str, Any]]:
+    """Each ``(kind, name, options)`` resolved (an unknown name or a bad option is an error naming its
+    key path) and its registered pre-flight check run against ``model``, as ``skyrl train`` runs them;
+    every problem is raised together as one ``ValueError`` before anything is built. Returns
+    ``(kind, name, structured options)`` for ``build_structured``."""
+    from skyrl_core.config.loader import structure_options
+    from skyrl_core.config.schema import Config
+    from skyrl_core.plugins.manager import get_plugin_manager
+
+    resolved = []
+    for kind, name, options in components:
+        spec = get_plugin_manager().spec(kind, name)
+        resolved.append((kind, name, structure_options(spec, dict(options), path=f"{kind}:{name}")))
+    config = Config(model=model)
+    problems = [
+        f"{kind}:{name}: {problem}"
+        for kind, name, structured in resolved
+        for problem in get_plugin_manager().spec(kind, name).preflight_problems(config, structured)
+    ]
+    if problems:
+        raise ValueError("; ".join(problems))
+    return resolved
+
+
+def build_structured(kind: str, name: str, structured: Any, model: Any, **kwargs: Any) -> Any:
+    """``build_runtime`` for options already resolved by ``preflight``."""
+    from skyrl_core.plugins.manager import get_plugin_manager
+
+    return get_plugin_manager().spec(kind, name).load_factory()(model, structured, **kwargs)
+
+
+def verify_engines(
     *,
+    engines: Sequence[str] = ("torch",),
     preset: str | None = None,
     model_dir: str | None = None,
-    engine: str = "torch",
     dtype: str = "float32",
     seed: int = 0,
     batches: int = 3,
@@ -156,83 +211,101 @@ def verify(
     backend: str = "fsdp",
     tensor_parallel: int = 1,
     expert_parallel: int = 1,
-    engine_options: dict[str, Any] | None = None,
+    engine_options: Mapping[str, Mapping[str, Any]] | None = None,
     echo: Callable[[str], None] = print,
-) -> VerifyReport:
-    """Generate ``batches`` batches with ``engine``, score them in the trainer ``backend`` (``fsdp`` or
-    ``megatron``, at ``tensor_parallel`` and ``expert_parallel``), compare bits. ``engine_options`` are the
-    engine's options as under ``engine.options`` in a config (validated by the engine's schema)."""
+) -> dict[str, VerifyReport]:
+    """Build the trainer ``backend`` once (``fsdp`` or ``megatron``, at ``tensor_parallel`` and
+    ``expert_parallel``); then, for each of ``engines`` in turn, generate ``batches`` batches with it
+    (the same prompts and seeds for every engine), score them in that one trainer and compare bits.
+    ``engine_options`` maps an engine's name to its options as under ``engine.options`` in a config.
+    Returns each engine's report, in the order given."""
     from skyrl_core.config.schema import TrainerConfig
-    from skyrl_isoexec.contract import build_contract, compare
-
-    from skyrl_core.plugins.manager import get_plugin_manager
 
     model = model_config(preset=preset, model_dir=model_dir, dtype=dtype)
     options = trainer_options(
         backend, dtype=dtype, world_size=world_size, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel
     )
-    from skyrl_core.config.loader import structure_options
-
-    # An unknown engine name or a bad engine option fails before anything is built.
-    structure_options(get_plugin_manager().spec("inference_engine", engine), dict(engine_options or {}),
-                      path=f"inference_engine:{engine}")
-    get_plugin_manager().spec("training_backend", backend)
+    # Unknown engines or backends, bad options and pairs the components' own checks refuse (bf16
+    # Megatron on CPU, expert parallelism for a dense model, ...) fail before anything is built.
+    per_engine = check_engines(engines, engine_options)
+    (_, _, trainer_structured), *engine_structured = preflight(
+        model, [("training_backend", backend, options), *(("inference_engine", n, o) for n, o in per_engine.items())]
+    )
+    reports = {}
     with state.enabled_scope(not off):
-        trainer = build_runtime("training_backend", backend, options, model, seed=seed, trainer=TrainerConfig(micro_batch_size=3))
-        generator = build_runtime("inference_engine", engine, dict(engine_options or {}), model, seed=seed)
+        trainer = build_structured("training_backend", backend, trainer_structured, model, seed=seed,
+                                   trainer=TrainerConfig(micro_batch_size=3))
         try:
-            enabled = state.enabled()
-            contracts = {
-                role: build_contract(role, runtime.execution_contract().get("ledger"), enabled=enabled)
-                for role, runtime in (("trainer", trainer), ("engine", generator))
-            }
-            problems = compare(contracts["trainer"], contracts["engine"])
-            echo(f"isoexec {'on' if enabled else 'off'}; contract hashes: trainer {contracts['trainer']['hash'][:16]}"
-                 f" engine {contracts['engine']['hash'][:16]}")
-            for problem in problems:
-                echo(f"  contract: {problem}")
-            generator.update_weights(trainer.export_weights())
-
-            rng = random.Random(seed)
-            vocab = int(generator.vocab_size) if hasattr(generator, "vocab_size") else 512
-            samples = []
-            for b in range(batches):
-                groups = generator.generate(make_requests(rng, vocab, b))
-                samples.extend(s for group in groups for s in group)
-            compositions = {
-                "all at once": list(range(len(samples))),
-                "reversed": list(reversed(range(len(samples)))),
-                "one at a time": None,
-            }
-            results = []
-            for name, order in compositions.items():
-                if order is None:
-                    import torch
-
-                    parts = [trainer.forward(training_batch([s])) for s in samples]
-                    width = max(p.shape[1] for p in parts)
-                    scored = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
-                    results.append(compare_logprobs(name, samples, scored))
-                else:
-                    ordered = [samples[i] for i in order]
-                    results.append(compare_logprobs(name, ordered, trainer.forward(training_batch(ordered))))
-            # After scoring (ops have run): the fingerprints of both sides.
-            contracts = {
-                role: build_contract(role, runtime.execution_contract().get("ledger"), enabled=enabled)
-                for role, runtime in (("trainer", trainer), ("engine", generator))
-            }
-            problems = compare(contracts["trainer"], contracts["engine"])
-            for problem in problems:
-                echo(f"  contract after scoring: {problem}")
+            for _, name, structured in engine_structured:
+                say = functools.partial(_prefixed, echo, f"engine {name}: ") if len(per_engine) > 1 else echo
+                reports[name] = _verify_engine(trainer, name, structured, model, seed=seed, batches=batches, echo=say)
         finally:
-            generator.close()
             trainer.close()
+    if len(reports) > 1:
+        echo(f"{sum(r.differing for r in reports.values())} differing tokens of {sum(r.tokens for r in reports.values())};"
+             f" max |dlogp| = {max(r.max_abs_diff for r in reports.values()):.3e} (engines {', '.join(reports)})")
+    return reports
+
+
+def _prefixed(echo: Callable[[str], None], prefix: str, line: str) -> None:
+    echo(prefix + line)
+
+
+def _verify_engine(trainer: Any, name: str, options: Any, model: Any, *, seed: int, batches: int,
+                   echo: Callable[[str], None]) -> VerifyReport:
+    """One engine against the built ``trainer``: contracts, weight sync, generation, three scorings."""
+    import torch
+
+    from skyrl_isoexec.contract import build_contract, compare
+
+    generator = build_structured("inference_engine", name, options, model, seed=seed)
+    enabled = state.enabled()
+
+    def contracts() -> dict[str, Any]:
+        return {
+            role: build_contract(role, runtime.execution_contract().get("ledger"), enabled=enabled)
+            for role, runtime in (("trainer", trainer), ("engine", generator))
+        }
+
+    try:
+        before = contracts()
+        problems = compare(before["trainer"], before["engine"])
+        echo(f"isoexec {'on' if enabled else 'off'}; contract hashes: trainer {before['trainer']['hash'][:16]}"
+             f" engine {before['engine']['hash'][:16]}")
+        for problem in problems:
+            echo(f"  contract: {problem}")
+        generator.update_weights(trainer.export_weights())
+
+        rng = random.Random(seed)
+        vocab = int(generator.vocab_size) if hasattr(generator, "vocab_size") else 512
+        samples = []
+        for b in range(batches):
+            groups = generator.generate(make_requests(rng, vocab, b))
+            samples.extend(s for group in groups for s in group)
+        results = []
+        for composition, order in {
+            "all at once": list(range(len(samples))),
+            "reversed": list(reversed(range(len(samples)))),
+            "one at a time": None,
+        }.items():
+            if order is None:
+                parts = [trainer.forward(training_batch([s])) for s in samples]
+                width = max(p.shape[1] for p in parts)
+                scored = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
+                results.append(compare_logprobs(composition, samples, scored))
+            else:
+                ordered = [samples[i] for i in order]
+                results.append(compare_logprobs(composition, ordered, trainer.forward(training_batch(ordered))))
+        # After scoring (ops have run): the fingerprints of both sides.
+        after = contracts()
+        problems = compare(after["trainer"], after["engine"])
+        for problem in problems:
+            echo(f"  contract after scoring: {problem}")
+    finally:
+        generator.close()
     report = VerifyReport(
-        enabled=enabled,
-        trainer_hash=contracts["trainer"]["hash"],
-        engine_hash=contracts["engine"]["hash"],
-        contract_problems=tuple(problems),
-        comparisons=tuple(results),
+        engine=name, enabled=enabled, trainer_hash=after["trainer"]["hash"], engine_hash=after["engine"]["hash"],
+        contract_problems=tuple(problems), comparisons=tuple(results),
     )
     for c in report.comparisons:
         echo(f"  trainer scoring '{c.name}': {c.differing} of {c.tokens} tokens differ, max |dlogp| = {c.max_abs_diff:.3e}")

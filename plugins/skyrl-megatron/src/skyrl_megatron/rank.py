@@ -28,6 +28,7 @@ from skyrl_core.rng_state import capture_rng_state, restore_rng_state
 from skyrl_core.types import TrainingBatch
 from skyrl_megatron import logprobs as vp
 from skyrl_megatron.convert import expert_name, hf_to_megatron, megatron_to_hf
+from skyrl_megatron.layer_spec import choose_layer_spec, installed_trainer_ops, log_choice
 from skyrl_megatron.layout import GPTLayout, check_parallel, layout_from_hf_config
 from skyrl_megatron.model import build_gpt_model, left_align, load_parameters, transformer_engine_available
 from skyrl_megatron.ops_sites import patch_megatron_model
@@ -164,10 +165,16 @@ class MegatronRank:
         check_parallel(self.layout, tensor_parallel=self.tp, expert_parallel=self.ep)
         hf_state = hf_model.state_dict()
         del hf_model
-        # The Qwen3-Next hybrid is built from local modules everywhere (skyrl_megatron.hybrid).
-        self.use_transformer_engine = (
-            self.device.type == "cuda" and transformer_engine_available() and self.layout.model_type != "qwen3_next"
+        # Transformer Engine's layers on CUDA, unless an op plugin (IsoExec) needs the local layers.
+        choice = choose_layer_spec(
+            device_type=self.device.type,
+            te_available=self.device.type == "cuda" and transformer_engine_available(),
+            model_type=self.layout.model_type,
+            installed_ops=installed_trainer_ops(),
         )
+        log_choice(choice, rank=self.rank, dtype=str(self.params_dtype).removeprefix("torch."))
+        self.layer_spec_reason = choice.reason
+        self.use_transformer_engine = choice.transformer_engine
         self.model = build_gpt_model(
             self.layout,
             tensor_parallel=self.tp,
@@ -429,6 +436,7 @@ class MegatronRank:
             "expert_parallel": self.ep,
             "world_size": self.world_size,
             "layer_spec": "transformer_engine" if self.use_transformer_engine else "local",
+            "layer_spec_reason": self.layer_spec_reason,
             "mixed_precision": self.options.mixed_precision,
             "device": self.device.type,
             "torch": torch.__version__,
