@@ -1,12 +1,16 @@
 """What engine plugins' bootstraps inside their library's processes share (skyrl-vllm's in
 ``vllm.general_plugins``, skyrl-sglang's in ``sglang.srt.plugins``): the marker that says skyrl
 started the library (a bootstrap does nothing without it, so installing a plugin never changes a
-library skyrl did not start), and the check that the library's plugin allowlist lets it run.
+library skyrl did not start), the check that the library's plugin allowlist lets it run, and the
+model load that offers its two moments to every plugin (``load_model``).
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
 
 # The bootstrap's entry-point name in the library's plugin group (what an allowlist must name).
 ENTRY_POINT_NAME = "skyrl"
@@ -59,3 +63,17 @@ class WorkerBootstrap:
 
     def ran_in_this_process(self) -> bool:
         return self._pid == os.getpid()
+
+
+def load_model(engine: str, engine_config: Any, load: Callable[[], T], loaded_model: Callable[[], Any]) -> T:
+    """Run ``load`` (the library's model load, with the plugin's op routing) between the model-load
+    hooks: ``skyrl_engine_model_loading(engine, engine_config)`` before it, then
+    ``skyrl_engine_model_loaded(engine, loaded_model())``; return what ``load`` returned. The engine
+    plugin's wrapper of the library's load calls it, so no other plugin wraps that load."""
+    from skyrl_core.plugins.manager import get_plugin_manager
+
+    hook = get_plugin_manager().hook
+    hook.skyrl_engine_model_loading(engine=engine, engine_config=engine_config)
+    result = load()
+    hook.skyrl_engine_model_loaded(engine=engine, model=loaded_model())
+    return result

@@ -233,6 +233,42 @@ def skyrl_worker_init(role: str, engine: str) -> None:
     """
 
 
+@hookspec
+def skyrl_engine_model_loading(engine: str, engine_config: Any) -> None:
+    """A process of the inference library ``engine`` is about to build a model from
+    ``engine_config`` (the library's own configuration object: vLLM's ``VllmConfig``, SGLang's
+    ``ServerArgs``); raise to refuse it.
+
+    Engine plugins call it from their model runner's load (``skyrl_core.engines.bootstrap.load_model``),
+    in the process that builds the model (after ``skyrl_worker_init`` there), once per model and
+    before the engine's ops are installed (``skyrl_core.ops.prepare_model``), so that a plugin which
+    cannot honour the configuration stops the load with one sentence saying why, before any weight
+    is read; the exception reaches whoever started the engine. Must be cheap when the plugin is not
+    enabled.
+    """
+
+
+@hookspec
+def skyrl_engine_model_loaded(engine: str, model: Any) -> None:
+    """A process of the inference library ``engine`` has built ``model`` (the library's module),
+    with its layers routed through the installed ops where any op is not stock; raise to refuse it.
+
+    Called right after the load that ``skyrl_engine_model_loading`` announced, before the engine
+    allocates its caches or runs a step. The model's op ledger is ``model._skyrl_op_ledger`` when
+    the engine plugin routed it (absent when every op kept the library's own kernels, or the
+    routing is switched off): a plugin that computes ops with its own layers inspects the model
+    here and adds what they compute to that ledger's ``meta`` (what the worker's attestation
+    returns). Must be cheap when the plugin is not enabled.
+
+    Example::
+
+        @hookimpl
+        def skyrl_engine_model_loaded(engine, model):
+            if engine == "vllm" and my_plugin_enabled():
+                check_every_layer_is_mine(model)
+    """
+
+
 # --- run events, for loggers and callbacks ------------------------------------------------------
 
 

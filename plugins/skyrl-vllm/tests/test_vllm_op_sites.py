@@ -80,3 +80,43 @@ def test_vllms_dummy_runs_are_left_out_of_the_ledger():
     assert ledger.ran_modules == {("engine_decode", "model.layers.0.mlp.down_proj")}
     ledger.observe("linear", "unscoped", "torch.linear")  # a call outside a step, not a dummy run: kept
     assert ledger.as_dict()["model"]["unscoped_calls"] == {"linear": 1}
+
+
+@pytest.mark.parametrize("route", [True, False])
+def test_each_model_load_offers_its_two_moments_to_the_plugins(builtin_plugin_manager, monkeypatch, route):
+    from types import SimpleNamespace
+
+    from skyrl_core.plugins import hookimpl
+    from skyrl_vllm import op_sites
+
+    calls = []
+
+    class Recorder:
+        @hookimpl
+        def skyrl_engine_model_loading(self, engine, engine_config):
+            calls.append(("loading", engine, engine_config))
+            if engine_config == "unsupported":
+                raise ValueError("this plugin cannot run under this config")
+
+        @hookimpl
+        def skyrl_engine_model_loaded(self, engine, model):
+            calls.append(("loaded", engine, model))
+
+    builtin_plugin_manager.register_plugin(Recorder(), "recorder")
+    monkeypatch.setattr(op_sites, "_forget_routed_rotary_embeddings", lambda: None)  # vLLM's rotary cache: not built here
+    monkeypatch.setattr(op_sites, "_routing", [route])
+
+    def vllm_load_model(runner, tag):
+        calls.append(("load", tag))
+        runner.model = f"model {tag}"
+        return tag
+
+    load_model = op_sites._wrap_load_model(vllm_load_model)
+    runner = SimpleNamespace(vllm_config="config", model=None)
+    assert load_model(runner, "a") == "a"
+    assert calls == [("loading", "vllm", "config"), ("load", "a"), ("loaded", "vllm", "model a")]
+    calls.clear()
+    runner.vllm_config = "unsupported"
+    with pytest.raises(ValueError, match="cannot run under this config"):
+        load_model(runner, "b")
+    assert calls == [("loading", "vllm", "unsupported")]  # refused before vLLM built anything

@@ -86,3 +86,21 @@ def skyrl_worker_init(role, engine):
     from skyrl_isoexec.vllm import worker_init
 
     worker_init(role)
+
+
+@hookimpl
+def skyrl_engine_model_loading(engine, engine_config):
+    """Inside vLLM with IsoExec on: refuse a configuration the canonical ops cannot run under."""
+    if engine == "vllm":
+        from skyrl_isoexec.vllm.install import model_loading
+
+        model_loading(engine_config)
+
+
+@hookimpl
+def skyrl_engine_model_loaded(engine, model):
+    """Inside vLLM with IsoExec on: refuse a model with a layer off the canonical ops; complete its ledger."""
+    if engine == "vllm":
+        from skyrl_isoexec.vllm.install import model_loaded
+
+        model_loaded(model)

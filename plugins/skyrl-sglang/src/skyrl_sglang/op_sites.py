@@ -3,7 +3,9 @@ the current site (``skyrl_core.ops``), as ``skyrl_vllm.op_sites`` does for vLLM 
 have vLLM's shapes, so the routed forwards are the same: ``skyrl_core.ops.engine_layers``).
 
 ``install`` runs once in every SGLang process skyrl starts (``skyrl_sglang.bootstrap``) and wraps
-``ModelRunner.load_model``: the engine's ops are installed through ``prepare_model(None, "engine")``
+``ModelRunner.load_model`` (between the model-load hooks ``skyrl_engine_model_loading``, with
+SGLang's ``ServerArgs``, and ``skyrl_engine_model_loaded``: ``skyrl_core.engines.bootstrap.load_model``):
+the engine's ops are installed through ``prepare_model(None, "engine")``
 (the ``skyrl_install_op`` hook) before the model is built; with only stock implementations nothing
 is patched. Otherwise the built model's linear/lm_head/embedding methods, RMSNorm and GemmaRMSNorm,
 SiluAndMul and the default RotaryEmbedding call the installed implementation, and each
@@ -23,6 +25,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
+from skyrl_core.engines import bootstrap
 from skyrl_core.ops import engine_forms, engine_layers
 from skyrl_core.ops.ledger import OpLedger
 from skyrl_core.ops.vocabulary import site_scope
@@ -88,20 +91,26 @@ def route_model(runner: Any, ledger: OpLedger, routed: dict[str, list[str]], cla
 def _wrap_load_model(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def load_model(self, *args, **kwargs):
-        from skyrl_core.ops import prepare_model
-
-        ledger = prepare_model(None, "engine")
-        routed = routed_ops(ledger)
-        if not routed:
-            return original(self, *args, **kwargs)
-        problems = refusals(routed, cuda_graph=not getattr(self.server_args, "disable_cuda_graph", False))
-        if problems:
-            raise ValueError("skyrl cannot route SGLang's layers through the installed ops: " + "; ".join(problems))
-        result = original(self, *args, **kwargs)
-        route_model(self, ledger, routed, layer_classes())
-        return result
+        load = functools.partial(_load_and_route, self, original, *args, **kwargs)
+        return bootstrap.load_model(ENGINE, self.server_args, load, lambda: self.model)
 
     return load_model
+
+
+def _load_and_route(runner: Any, original: Callable[..., Any], *args, **kwargs) -> Any:
+    """``original`` load, with the model's layers routed through the engine's installed ops."""
+    from skyrl_core.ops import prepare_model
+
+    ledger = prepare_model(None, "engine")
+    routed = routed_ops(ledger)
+    if not routed:
+        return original(runner, *args, **kwargs)
+    problems = refusals(routed, cuda_graph=not getattr(runner.server_args, "disable_cuda_graph", False))
+    if problems:
+        raise ValueError("skyrl cannot route SGLang's layers through the installed ops: " + "; ".join(problems))
+    result = original(runner, *args, **kwargs)
+    route_model(runner, ledger, routed, layer_classes())
+    return result
 
 
 def install() -> None:

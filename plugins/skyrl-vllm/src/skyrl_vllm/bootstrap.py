@@ -7,7 +7,8 @@ processes (front-end, engine core, every worker) before it builds the model. sky
 skyrl-vllm never changes a vLLM that skyrl did not start. With the marker it builds skyrl's plugin
 manager in that process, calls ``skyrl_worker_init(role="engine", engine="vllm")`` and installs skyrl's op
 sites in vLLM's layers (``skyrl_vllm.op_sites``: vLLM's own kernels unless a plugin installs
-another implementation of an op), once per process.
+another implementation of an op), once per process. Every model load there also offers its two
+moments to the plugins (``skyrl_engine_model_loading``, ``skyrl_engine_model_loaded``), routing on or off.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import os
 from skyrl_core.engines import bootstrap as shared
 
 MARKER = "SKYRL_VLLM_WORKER"
-# "0" leaves vLLM's layers without skyrl's op sites (benchmarks/isoexec_vllm.py measures both).
+# "0" leaves vLLM's layers without skyrl's op sites (benchmarks/isoexec_vllm.py measures both); the
+# model-load hooks still run.
 OP_SITES_SWITCH = "SKYRL_VLLM_OP_SITES"
 ENTRY_POINT_NAME = shared.ENTRY_POINT_NAME
 
@@ -39,10 +41,9 @@ def register() -> None:
     if not _BOOTSTRAP.begin():
         return
     _BOOTSTRAP.init_plugins()
-    if os.environ.get(OP_SITES_SWITCH, "1") != "0":
-        from skyrl_vllm import op_sites
+    from skyrl_vllm import op_sites
 
-        op_sites.install()
+    op_sites.install(route=os.environ.get(OP_SITES_SWITCH, "1") != "0")
 
 
 def ran_in_this_process() -> bool:

@@ -3,7 +3,10 @@ the current site (``skyrl_core.ops``), the way ``skyrl_core.ops.hf`` routes a tr
 ``skyrl_megatron.ops_sites`` routes megatron-core.
 
 ``install`` runs once in every vLLM process skyrl starts (``skyrl_vllm.bootstrap``). It wraps the
-model runner's ``load_model``: before vLLM builds a model, the engine's ops are installed through
+model runner's ``load_model``, which offers each load's two moments to every plugin (the
+``skyrl_engine_model_loading`` hook with vLLM's config before the model is built, then
+``skyrl_engine_model_loaded`` with the built, routed model; no other plugin wraps vLLM's runner).
+Before vLLM builds a model, the engine's ops are installed through
 ``prepare_model(None, "engine")`` (the ``skyrl_install_op`` hook, which plugins wrap). An op is
 *routed* when a non-stock implementation is installed at one of the engine sites and no plugin
 computes it with its own vLLM layers (``skyrl_core.ops.engine_forms``). Nothing routed and no
@@ -53,7 +56,7 @@ plugin's own layers read it too). vLLM's dummy runs (memory profiling, warm-up) 
 they run the stock path (``F.linear`` on a layer whose weight was kept plain) and are left out of
 the ledger; any other call outside a step is observed as unscoped. The ledger, with calls per
 site, is the model's ``_skyrl_op_ledger`` (what ``skyrl_attest`` returns); a plugin with its own
-layers adds to it once the model is loaded (IsoExec does, before the KV cache is set up). A
+layers adds to it from ``skyrl_engine_model_loaded`` (IsoExec does, before the KV cache is set up). A
 rotary module vLLM shares between models built in one process is not reused once routed.
 """
 
@@ -64,6 +67,7 @@ from typing import Any, Callable
 
 import torch
 
+from skyrl_core.engines import bootstrap
 from skyrl_core.ops import engine_forms, engine_layers
 from skyrl_core.ops.dispatch import OpDispatch
 from skyrl_core.ops.ledger import OpLedger
@@ -75,6 +79,7 @@ OWN_LAYERS_ONLY = ("attention", "moe_router", "moe_experts", "moe_combine", "gdn
 
 _wrapped: dict[tuple[type, str], Callable[..., Any]] = {}
 _keep_plain_linear = [False]  # True while a model whose linears are routed is being loaded
+_routing = [True]  # False: load_model offers its moments to the plugins but routes nothing
 
 
 def routed_ops(ledger: OpLedger) -> dict[str, list[str]]:
@@ -225,29 +230,38 @@ def route_model(runner: Any, ledger: OpLedger, routed: dict[str, list[str]]) -> 
 def _wrap_load_model(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def load_model(self, *args, **kwargs):
-        from skyrl_core.ops import prepare_model
-
-        ledger = prepare_model(None, "engine")
-        routed = routed_ops(ledger)
-        problems = refusals(routed)
-        if problems:
-            raise ValueError("skyrl cannot route vLLM's layers through the installed ops: " + "; ".join(problems))
-        _forget_routed_rotary_embeddings()
-        if not routed and not engine_forms.own_layer_impls(ledger, ENGINE):
-            return original(self, *args, **kwargs)
-        if "linear" in routed:
-            linear_method, embedding_method = _linear_method_classes()
-            _wrap_once(linear_method, "process_weights_after_loading", _keep_plain_processing)
-            _wrap_once(embedding_method, "process_weights_after_loading", _reprepare_lm_head)
-        _keep_plain_linear[0] = "linear" in routed
-        try:
-            result = original(self, *args, **kwargs)
-        finally:
-            _keep_plain_linear[0] = False
-        route_model(self, ledger, routed)
-        return result
+        if _routing[0]:
+            load = functools.partial(_load_and_route, self, original, *args, **kwargs)
+        else:
+            load = functools.partial(original, self, *args, **kwargs)
+        return bootstrap.load_model(ENGINE, self.vllm_config, load, lambda: self.model)
 
     return load_model
+
+
+def _load_and_route(runner: Any, original: Callable[..., Any], *args, **kwargs) -> Any:
+    """``original`` load, with the model's layers routed through the engine's installed ops."""
+    from skyrl_core.ops import prepare_model
+
+    ledger = prepare_model(None, "engine")
+    routed = routed_ops(ledger)
+    problems = refusals(routed)
+    if problems:
+        raise ValueError("skyrl cannot route vLLM's layers through the installed ops: " + "; ".join(problems))
+    _forget_routed_rotary_embeddings()
+    if not routed and not engine_forms.own_layer_impls(ledger, ENGINE):
+        return original(runner, *args, **kwargs)
+    if "linear" in routed:
+        linear_method, embedding_method = _linear_method_classes()
+        _wrap_once(linear_method, "process_weights_after_loading", _keep_plain_processing)
+        _wrap_once(embedding_method, "process_weights_after_loading", _reprepare_lm_head)
+    _keep_plain_linear[0] = "linear" in routed
+    try:
+        result = original(runner, *args, **kwargs)
+    finally:
+        _keep_plain_linear[0] = False
+    route_model(runner, ledger, routed)
+    return result
 
 
 def _linear_method_classes() -> tuple[type, type]:
@@ -285,9 +299,14 @@ def _runner_classes() -> list[type]:
     return [GPUModelRunner]
 
 
-def install() -> None:
-    """Wrap the model runner's ``load_model`` in this process (idempotent). Costs nothing per step:
-    a model is routed only when a non-stock implementation is installed when it is loaded."""
+def install(route: bool = True) -> None:
+    """Wrap the model runner's ``load_model`` in this process (idempotent): each load offers its
+    two moments to the plugins (``skyrl_engine_model_loading`` with vLLM's config, then
+    ``skyrl_engine_model_loaded`` with the built model) and, with ``route``, routes the model's
+    layers in between. Costs nothing per step: a model is routed only when a non-stock
+    implementation is installed when it is loaded. ``route=False`` (``SKYRL_VLLM_OP_SITES=0``)
+    leaves every model's layers as vLLM built them."""
+    _routing[0] = route
     for runner in _runner_classes():
         _wrap_once(runner, "load_model", _wrap_load_model)
 

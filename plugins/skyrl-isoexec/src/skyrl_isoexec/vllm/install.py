@@ -11,11 +11,13 @@ vLLM's own state is IsoExec's own layers (declared with ``skyrl_core.ops.engine_
    (``moe.REPLACEMENTS``) and for ``QwenGatedDeltaNetAttention`` (``gdn.REPLACEMENTS``);
 2. the ``CPU_ATTN`` attention backend (``attention.install``; vLLM's ``CUSTOM`` slot elsewhere);
 3. two checkpoints: vLLM's config is checked in the front-end (``EngineArgs.create_engine_config``)
-   and in the worker (``load_model``), and the model a worker built and skyrl-vllm routed is
-   inspected before its KV cache and attention backends are set up (``initialize_kv_cache``):
-   anything IsoExec cannot make identical is refused with one sentence, and the model's op ledger
-   (``_skyrl_op_ledger``, where skyrl's worker attestation RPC reads it) gets IsoExec's own layers'
-   modules and what is installed.
+   and in the worker when skyrl-vllm's model load announces it (``skyrl_engine_model_loading``:
+   ``model_loading``), and the model the worker built and skyrl-vllm routed is inspected when the
+   load reports it (``skyrl_engine_model_loaded``: ``model_loaded``), before its KV cache and
+   attention backends are set up: anything IsoExec cannot make identical is refused with one
+   sentence, and the model's op ledger (``_skyrl_op_ledger``, where skyrl's worker attestation RPC
+   reads it) gets IsoExec's own layers' modules and what is installed. IsoExec wraps none of
+   vLLM's model-runner methods: the load's two moments are skyrl-vllm's to offer.
 
 Everything installed is inert for modules built while IsoExec is off: each replacement decides
 when its module is built and otherwise runs vLLM's own code. So skyrl installs it in every vLLM
@@ -88,30 +90,20 @@ def _wrap_create_engine_config(original: Callable[..., Any]) -> Callable[..., An
     return create_engine_config
 
 
-def _wrap_load_model(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def load_model(self, *args, **kwargs):
-        active = runtime.active()
-        if active:
-            _refuse_config(self.vllm_config)
-        result = original(self, *args, **kwargs)
-        self._isoexec_built = active  # decides for this model, whatever the state later
-        return result
-
-    return load_model
+def model_loading(vllm_config: Any) -> None:
+    """A vLLM process is about to build a model (``skyrl_engine_model_loading``): with IsoExec on,
+    refuse a configuration the canonical ops cannot run under."""
+    if runtime.active():
+        _refuse_config(vllm_config)
 
 
-def _wrap_initialize_kv_cache(original: Callable[..., Any]) -> Callable[..., Any]:
-    """After ``load_model`` (and skyrl-vllm's routing in it, whichever wrapper is outer) and before
-    the attention backends are built: inspect the model and adopt its ledger."""
-
-    @functools.wraps(original)
-    def initialize_kv_cache(self, *args, **kwargs):
-        if getattr(self, "_isoexec_built", False):
-            _inspect(self.model)
-        return original(self, *args, **kwargs)
-
-    return initialize_kv_cache
+def model_loaded(model: Any) -> None:
+    """A vLLM process built ``model`` and skyrl-vllm's op sites routed it
+    (``skyrl_engine_model_loaded``, before the KV cache and attention backends are set up): with
+    IsoExec on, inspect it and adopt its ledger. IsoExec's state cannot change between the two
+    moments of one load, so the model's modules were built under the state read here."""
+    if runtime.active():
+        _inspect(model)
 
 
 def _inspect(model: Any) -> None:
@@ -140,19 +132,6 @@ def _wrap(cls: type, name: str, wrapper: Callable[[Callable[..., Any]], Callable
         setattr(cls, name, wrapper(original))
 
 
-def _runner_classes() -> list[type]:
-    """vLLM's model runners here: the CPU one on CPU, the GPU one otherwise."""
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu():
-        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-
-        return [CPUModelRunner]
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    return [GPUModelRunner]
-
-
 def install(strict: bool = True) -> dict[str, str]:
     """Install everything (once per process); return ``{what vLLM had: what replaces it}``.
 
@@ -169,9 +148,6 @@ def install(strict: bool = True) -> dict[str, str]:
     installed = _register_custom_ops(strict)
     installed.update(attention.install())
     _wrap(EngineArgs, "create_engine_config", _wrap_create_engine_config)
-    for runner in _runner_classes():
-        _wrap(runner, "load_model", _wrap_load_model)
-        _wrap(runner, "initialize_kv_cache", _wrap_initialize_kv_cache)
     _installed.update(installed)
     return dict(_installed)
 
