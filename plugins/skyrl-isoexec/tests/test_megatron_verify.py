@@ -116,6 +116,7 @@ def test_cli_verify_megatron_against_both_engines(vllm_env):
         (["--engine", "torch,vllm", "--engine-option", "multiprocess=false"], "names no engine; with several engines (torch, vllm) write ENGINE:KEY=VALUE"),
         (["--engine", "torch", "--engine-option", "vllm:multiprocess=false"], "is for engine 'vllm', not among --engine torch"),
         (["--engine", "torch,vllm", "--engine-option", "vllm:kv_cache_bytes=1"], "inference_engine:vllm.kv_cache_bytes: unknown key"),
+        (["--engine", "torch", "--engine-option", "max_num_seqs"], "'max_num_seqs' must look like key.path=value"),
         (["--engine", "torch,nope"], "'nope' is not a registered inference engine"),
         (["--tensor-parallel", "2", "--backend", "fsdp"], "--tensor-parallel needs --backend megatron"),
         # The backend's own pre-flight checks, as `skyrl train` runs them:

@@ -122,7 +122,7 @@ def _engine_options(items: tuple[str, ...], engines: tuple[str, ...]) -> dict[st
     """``[ENGINE:]KEY=VALUE`` strings as each engine's options; without ``ENGINE:`` (one engine only)
     the option is the one engine's."""
     flag = "--engine-option"
-    out: dict[str, dict] = {name: {} for name in engines}
+    given: dict[str, list[str]] = {name: [] for name in engines}
     for item in items:
         name, colon, _ = item.partition("=")[0].partition(":")
         if not colon:
@@ -133,23 +133,23 @@ def _engine_options(items: tuple[str, ...], engines: tuple[str, ...]) -> dict[st
                 )
             name, item = engines[0], f"{engines[0]}:{item}"
         name = name.strip()
-        if name not in out:
+        if name not in given:
             raise click.BadParameter(f"{item!r} is for engine {name!r}, not among --engine {', '.join(engines)}", param_hint=flag)
-        out[name].update(_key_values((item.partition(":")[2],), flag=flag))
-    return out
+        given[name].append(item.partition(":")[2])
+    return {name: _key_values(tuple(values), flag=flag) for name, values in given.items()}
 
 
 def _key_values(items: tuple[str, ...], *, flag: str) -> dict:
-    """``KEY=VALUE`` strings as a dict, each value read as YAML (``false`` -> False, ``64`` -> 64)."""
-    import yaml
+    """``KEY=VALUE`` strings as a dict, read as ``skyrl train``'s overrides are
+    (``skyrl_core.config.loader.apply_overrides``: YAML values, ``false`` -> False, ``64`` -> 64;
+    a dotted key nests, ``engine_kwargs.max_num_batched_tokens=512``)."""
+    from skyrl_core.config.errors import ConfigError
+    from skyrl_core.config.loader import apply_overrides
 
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint=flag)
-        out[key.strip()] = yaml.safe_load(value)
-    return out
+    try:
+        return apply_overrides({}, list(items))
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint=flag) from None
 
 
 @isoexec_group.command("trace")

@@ -52,13 +52,15 @@ class VerifyReport:
         return max((c.max_abs_diff for c in self.comparisons), default=0.0)
 
 
-def build_runtime(kind: str, name: str, options: dict[str, Any], model: Any, **kwargs: Any) -> Any:
-    """Build a registered engine or backend as the trainer does: ``factory(model, options, **kwargs)``."""
-    from skyrl_core.config.loader import structure_options
+def build_runtime(kind: str, name: str, options: Any, model: Any, **kwargs: Any) -> Any:
+    """Build a registered engine or backend as the trainer does (``skyrl_core.plugins.building.build_selected``:
+    ``factory(model, options, **kwargs)``); ``options`` is a mapping, structured there as a config's
+    would be, or the options object ``preflight`` already structured."""
+    from skyrl_core.config.schema import Selection
+    from skyrl_core.plugins.building import build_selected
     from skyrl_core.plugins.manager import get_plugin_manager
 
-    spec = get_plugin_manager().spec(kind, name)
-    return build_structured(kind, name, structure_options(spec, options, path=f"{kind}:{name}"), model, **kwargs)
+    return build_selected(get_plugin_manager(), kind, Selection(name=name, options=options), model, **kwargs)
 
 
 TRAINER_BACKENDS = ("fsdp", "megatron")
@@ -171,7 +173,7 @@ def preflight(model: Any, components: Sequence[tuple[str, str, dict[str, Any]]])
     """Each ``(kind, name, options)`` resolved (an unknown name or a bad option is an error naming its
     key path) and its registered pre-flight check run against ``model``, as ``skyrl train`` runs them;
     every problem is raised together as one ``ValueError`` before anything is built. Returns
-    ``(kind, name, structured options)`` for ``build_structured``."""
+    ``(kind, name, structured options)`` for ``build_runtime``."""
     from skyrl_core.config.loader import structure_options
     from skyrl_core.config.schema import Config
     from skyrl_core.plugins.manager import get_plugin_manager
@@ -189,13 +191,6 @@ def preflight(model: Any, components: Sequence[tuple[str, str, dict[str, Any]]])
     if problems:
         raise ValueError("; ".join(problems))
     return resolved
-
-
-def build_structured(kind: str, name: str, structured: Any, model: Any, **kwargs: Any) -> Any:
-    """``build_runtime`` for options already resolved by ``preflight``."""
-    from skyrl_core.plugins.manager import get_plugin_manager
-
-    return get_plugin_manager().spec(kind, name).load_factory()(model, structured, **kwargs)
 
 
 def verify_engines(
@@ -233,8 +228,8 @@ def verify_engines(
     )
     reports = {}
     with state.enabled_scope(not off):
-        trainer = build_structured("training_backend", backend, trainer_structured, model, seed=seed,
-                                   trainer=TrainerConfig(micro_batch_size=3))
+        trainer = build_runtime("training_backend", backend, trainer_structured, model, seed=seed,
+                                trainer=TrainerConfig(micro_batch_size=3))
         try:
             for _, name, structured in engine_structured:
                 say = functools.partial(_prefixed, echo, f"engine {name}: ") if len(per_engine) > 1 else echo
@@ -258,7 +253,7 @@ def _verify_engine(trainer: Any, name: str, options: Any, model: Any, *, seed: i
 
     from skyrl_isoexec.contract import build_contract, compare
 
-    generator = build_structured("inference_engine", name, options, model, seed=seed)
+    generator = build_runtime("inference_engine", name, options, model, seed=seed)
     enabled = state.enabled()
 
     def contracts() -> dict[str, Any]:
