@@ -112,6 +112,12 @@ def test_rms_norm_and_silu_mul_rows(dtype, width):
     torch.set_num_threads(before)
     assert _sliced_mismatch(lambda s: elementwise.rms_norm(x[s], w, 1e-6, gate=g[s]), 60) == 0
     assert _sliced_mismatch(lambda s: elementwise.silu_mul(g[s], x[s]), 60) == 0
+    # Without autograd the kernels compute in place on their intermediates: the autograd path's bits.
+    for unit_offset in (False, True):
+        tracked = elementwise.rms_norm(x.clone().requires_grad_(), w, 1e-6, unit_offset=unit_offset).detach()
+        assert int((bits(tracked) != bits(elementwise.rms_norm(x, w, 1e-6, unit_offset=unit_offset))).sum()) == 0
+    tracked = elementwise.silu_mul(g.clone().requires_grad_(), x).detach()
+    assert int((bits(tracked) != bits(elementwise.silu_mul(g, x))).sum()) == 0
     big = torch.randn(1280, width, generator=_gen(3)).to(dtype)  # a training batch's rows, 2 threads
     torch.set_num_threads(2)
     whole = elementwise.rms_norm(big, w, 1e-6)

@@ -23,8 +23,12 @@ def rms_norm(
 
     Rounding points follow transformers: plain norms scale the normalised value *after* casting to
     the input dtype (``weight * y.to(dtype)``); ``unit_offset`` norms (Qwen3-Next) scale by
-    ``1 + weight`` in fp32, then cast; a ``gate`` multiplies by ``silu(gate)`` in fp32, then casts.
+    ``1 + weight`` in fp32, then cast; a ``gate`` multiplies by ``silu(gate.float())`` in fp32, then casts.
+    Without autograd (an engine, a scoring pass) the same operations run in place on their fresh
+    intermediates (``_rms_norm_inference``): the same bits with three fewer full-size buffers.
     """
+    if gate is None and not _needs_grad(x, weight):
+        return _rms_norm_inference(x, weight, eps, unit_offset)
     dtype = x.dtype
     xf = x.float()
     variance = sum_of_squares(xf) / x.shape[-1]
@@ -36,7 +40,35 @@ def rms_norm(
     return out if gate is None else (out * silu(gate.float())).to(dtype)
 
 
+def _needs_grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _rms_norm_inference(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:
+    """``rms_norm`` without a gate or autograd: each step is the same elementwise operation on the
+    same operands (a product's operands swapped: IEEE products commute), written into an
+    intermediate nothing else holds; ``x`` itself (``xf`` when fp32) is never written."""
+    dtype = x.dtype
+    xf = x.float()
+    scale = _sum_of_squares_inference(xf).div_(x.shape[-1]).add_(eps).rsqrt_()
+    y = xf * scale.unsqueeze(-1)
+    if unit_offset:
+        return y.mul_(1.0 + weight.float()).to(dtype)
+    out = y.to(dtype)  # y itself in fp32: fresh either way
+    return out.mul_(weight) if weight.dtype == dtype else weight * out  # another dtype promotes
+
+
 _ones: dict[tuple, torch.Tensor] = {}
+
+
+def _ones_for(xf: torch.Tensor) -> torch.Tensor:
+    """The ``[8, K]`` fp32 ones ``sum_of_squares`` multiplies by (one per width and device)."""
+    key = (xf.shape[-1], str(xf.device))
+    ones = _ones.get(key)
+    if ones is None:
+        with torch.inference_mode(False):  # a normal tensor: an engine's cache may serve a trainer
+            ones = _ones[key] = torch.ones(8, xf.shape[-1], dtype=torch.float32, device=xf.device)
+    return ones
 
 
 def sum_of_squares(xf: torch.Tensor) -> torch.Tensor:
@@ -47,11 +79,7 @@ def sum_of_squares(xf: torch.Tensor) -> torch.Tensor:
     log2(K) steps. MKL rather than oneDNN: for these thin products its call costs a third.
     Differentiable."""
     k = xf.shape[-1]
-    key = (k, str(xf.device))
-    ones = _ones.get(key)
-    if ones is None:
-        with torch.inference_mode(False):  # a normal tensor: an engine's cache may serve a trainer
-            ones = _ones[key] = torch.ones(8, k, dtype=torch.float32, device=xf.device)
+    ones = _ones_for(xf)
     squares = (xf * xf).reshape(-1, k)
     rows = squares.shape[0]
     padded = aligned_rows(rows)
@@ -60,9 +88,27 @@ def sum_of_squares(xf: torch.Tensor) -> torch.Tensor:
     return torch.mm(squares, ones.t())[:rows, 0].view(xf.shape[:-1])
 
 
+def _sum_of_squares_inference(xf: torch.Tensor) -> torch.Tensor:
+    """``sum_of_squares`` without autograd: the squares are written straight into the zero-padded
+    GEMM operand (one buffer instead of two); the result is a fresh tensor."""
+    k = xf.shape[-1]
+    x2 = xf.reshape(-1, k)
+    rows = x2.shape[0]
+    squares = x2.new_empty(aligned_rows(rows), k)
+    torch.mul(x2, x2, out=squares[:rows])
+    squares[rows:].zero_()
+    return torch.mm(squares, _ones_for(xf).t())[:rows, 0].view(xf.shape[:-1])
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up in fp32, rounded once."""
-    return (silu(gate.float()) * up.float()).to(gate.dtype)
+    """silu(gate) * up in fp32, rounded once. Without autograd the same operations (``silu``'s
+    ``g / (1 + exp(-g))``, then ``* up``) run in one buffer: the same bits, four fewer buffers."""
+    if _needs_grad(gate, up):
+        return (silu(gate.float()) * up.float()).to(gate.dtype)
+    g = gate.float()
+    out = torch.neg(g).exp_().add_(1.0)  # 1 + exp(-g): IEEE sums commute
+    torch.div(g, out, out=out)
+    return out.mul_(up.float()).to(gate.dtype)
 
 
 _rope_tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
