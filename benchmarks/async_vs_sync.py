@@ -20,7 +20,8 @@ Where generation runs: ``colocated`` (in the trainer's process) or ``@separate``
 Threads: the trainer uses ``--threads``; a sync run's generation the same (nothing runs beside it);
 generation beside training (the async modes) uses ``--async-generation-threads`` (engine option
 ``threads``), so that the two do not oversubscribe the cores (two OpenMP teams of all the cores
-each, time-sliced, wait at every barrier for a thread that is not running).
+each, time-sliced, wait at every barrier for a thread that is not running). ``--sync-generation-threads``
+runs sync's generation at another count (a control for what the thread count alone changes).
 
 Each mode's throughput: trained samples over the summed step times (model loading excluded; step 1
 included, so the async modes pay for filling their pipeline). The modes run one after another,
@@ -154,6 +155,8 @@ def _config(workdir: str, spec: str, args: argparse.Namespace) -> dict[str, Any]
     engine: dict[str, Any] = {"name": "torch", "placement": placement}
     if mode != "sync" or placement == "separate":  # generation beside training: its own threads
         engine["options"] = {"threads": args.async_generation_threads}
+    elif args.sync_generation_threads is not None:  # (a control: sync's generation at another count)
+        engine["options"] = {"threads": args.sync_generation_threads}
     return {
         "model": {"path": SMOLLM2},
         "engine": engine,
@@ -324,6 +327,7 @@ def main() -> None:
     parser.add_argument("--max-staleness", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--async-generation-threads", type=int, default=1)
+    parser.add_argument("--sync-generation-threads", type=int, default=None, help="default: --threads")
     parser.add_argument("--child", default=None)
     args = parser.parse_args()
     if args.child == "weight_sync":
@@ -343,7 +347,7 @@ def main() -> None:
           f"<= {args.max_new_tokens} tokens), tool latency log-normal median {args.latency_median_s} s sigma "
           f"{args.latency_sigma} capped at {args.latency_cap_s} s; fully_async max_inflight "
           f"{args.inflight_steps * per_step}, max_staleness {args.max_staleness}; threads: trainer {args.threads}, "
-          f"sync generation {args.threads}, generation beside training {args.async_generation_threads}", flush=True)
+          f"sync generation {args.sync_generation_threads or args.threads}, generation beside training {args.async_generation_threads}", flush=True)
     results: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     for round_ in range(args.rounds):
         for mode in modes:
