@@ -12,20 +12,36 @@ Two base models, each served by a fresh server process: the tiny random Qwen3 of
 (``TINY_QWEN3``) and SmolLM2-135M-Instruct (fp32, ``skyrl_core.models.prepare_smollm2``). The
 server's peak resident memory is its ``VmHWM`` at the end.
 
+The server's resident memory (its process tree) is also sampled every 20 ms and charged to the
+client's phase at that moment: the peak of each phase (``setup``: start, adapter, first sampling
+client) is printed after the steps.
+
+Beside the times: this machine's limit for the same work (``benchmarks/_roofline.py``, measured
+after the steps): the GEMM FLOPs of one step (sampling: prefill and one decode step per token of
+the longest sample; training: the forward over every datum's positions and its input gradients,
+the frozen base getting no weight gradients; LoRA's own small products left out), the fastest
+measured fp32 rate at each shape, and the fraction of that peak a median step reached. The CPU and
+the GEMM libraries are printed first.
+
 The peer: SkyRL 0.4's own Tinker server (JAX backend) measured on this machine with the same loop,
 as the issue records it: 1.13 s/step (tiny), 86 s/step (SmolLM2), 18 GiB peak. The last lines
 print skyrl's numbers and their ratios to the peer's (skyrl / peer: below 1 is faster / smaller).
 
     python benchmarks/tinker_rl_step.py [--steps 3] [--warmup 1] [--threads 2] [--only tiny|smollm2]
+                                        [--server-arg=--engine-option --server-arg=prepack_weights=false]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
+
+from _roofline import Gemm, Roofline, decoder_gemms, generation_gemms, machine, uptime
 
 PEER = {"tiny": {"s_per_step": 1.13}, "smollm2": {"s_per_step": 86.0, "peak_gib": 18.0}}
 
@@ -38,6 +54,64 @@ def peak_rss_gib(pid: int) -> float:
     raise RuntimeError("no VmHWM in /proc status")
 
 
+class PhaseMemory:
+    """Resident bytes of a process tree sampled every ``interval`` seconds in a thread; ``peaks``
+    charges each sample to the phase whose interval holds it."""
+
+    def __init__(self, pid: int, interval: float = 0.02) -> None:
+        import psutil
+
+        self.process = psutil.Process(pid)
+        self.interval = interval
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="rss-sampler", daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        import psutil
+
+        while not self._stop.is_set():
+            try:
+                rss = self.process.memory_info().rss
+                for child in self.process.children(recursive=True):
+                    try:
+                        rss += child.memory_info().rss
+                    except psutil.Error:  # exited between listing and reading
+                        pass
+            except psutil.Error:
+                return
+            self.samples.append((time.perf_counter(), rss))
+            self._stop.wait(self.interval)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def peaks(self, intervals: list[tuple[str, float, float]]) -> dict[str, float]:
+        """Phase -> peak GiB over its ``(phase, start, end)`` intervals."""
+        out: dict[str, float] = {}
+        for phase, start, end in intervals:
+            inside = [rss for t, rss in self.samples if start <= t < end]
+            if inside:
+                out[phase] = max(out.get(phase, 0.0), max(inside) / 2**30)
+        return out
+
+
+def step_gemms(model_dir: str, lengths: list[tuple[int, int]]) -> list[Gemm]:
+    """The linear layers' products of one step with these ``(prompt, sampled)`` lengths (see the
+    module's description)."""
+    with open(Path(model_dir) / "config.json") as f:
+        config = json.load(f)
+    prompts = sum(p for p, _ in lengths)
+    sampled = sum(n for _, n in lengths)
+    longest = max(n for _, n in lengths)
+    positions = sum(p + n - 1 for p, n in lengths if n)  # a datum is the sequence less its last token
+    forward = decoder_gemms(config, positions, positions)
+    input_gradients = [Gemm(g.rows, g.cols, g.inner, g.count) for g in forward]
+    return generation_gemms(config, prompts, sampled, len(lengths), longest) + forward + input_gradients
+
+
 def run(name: str, model_dir: str, encode, workdir: Path, args: argparse.Namespace) -> dict[str, float]:
     import tinker
 
@@ -47,27 +121,47 @@ def run(name: str, model_dir: str, encode, workdir: Path, args: argparse.Namespa
     checkpoints = workdir / f"ck-{name}"
     checkpoints.mkdir()
     env = {"OMP_NUM_THREADS": str(args.threads)}
-    with serve_subprocess(model_dir, checkpoints, model_name=name, env=env) as (url, proc):
-        service = tinker.ServiceClient(base_url=url, api_key="tml-benchmark")
-        tc = service.create_lora_training_client(base_model=name, rank=8, seed=0, train_unembed=False).result()
-        sampler = tc.save_weights_and_get_sampling_client().result()
-        prompts = arithmetic_prompts(encode, 8)
-        times, rewards, phases = [], [], []
-        for step in range(args.warmup + args.steps):
-            start = time.perf_counter()
-            timings: dict[str, float] = {}
-            reward, sampler = rl_step(tc, sampler, prompts, samples=8, max_tokens=32, learning_rate=1e-4, seed=step, timings=timings)
-            elapsed = time.perf_counter() - start
-            rewards.append(reward)
-            if step >= args.warmup:
-                times.append(elapsed)
-                phases.append(timings)
-            where = ", ".join(f"{k} {v:.2f}" for k, v in timings.items())
-            print(f"{name}: step {step} {elapsed:.2f} s ({where}){' (warm-up)' if step < args.warmup else ''}, reward {reward:.3f}", flush=True)
+    intervals: list[tuple[str, float, float]] = []
+    with serve_subprocess(model_dir, checkpoints, model_name=name, env=env, extra=tuple(args.server_arg)) as (url, proc):
+        memory = PhaseMemory(proc.pid)
+        setup = time.perf_counter()
+        # (closing the client finishes its session and stops the SDK's heartbeat thread)
+        with tinker.ServiceClient(base_url=url, api_key="tml-benchmark") as service:
+            tc = service.create_lora_training_client(base_model=name, rank=8, seed=0, train_unembed=False).result()
+            sampler = tc.save_weights_and_get_sampling_client().result()
+            intervals.append(("setup", setup, time.perf_counter()))
+            prompts = arithmetic_prompts(encode, 8)
+            times, phases, lengths = [], [], []
+            for step in range(args.warmup + args.steps):
+                start = time.perf_counter()
+                timings: dict[str, float] = {}
+                step_lengths: list[tuple[int, int]] = []
+                reward, sampler = rl_step(tc, sampler, prompts, samples=8, max_tokens=32, learning_rate=1e-4, seed=step,
+                                          timings=timings, lengths=step_lengths)
+                elapsed = time.perf_counter() - start
+                edge = start
+                for phase, seconds in timings.items():
+                    intervals.append((phase, edge, edge + seconds))
+                    edge += seconds
+                if step >= args.warmup:
+                    times.append(elapsed)
+                    phases.append(timings)
+                    lengths.append(step_lengths)
+                where = ", ".join(f"{k} {v:.2f}" for k, v in timings.items())
+                print(f"{name}: step {step} {elapsed:.2f} s ({where}){' (warm-up)' if step < args.warmup else ''}, reward {reward:.3f}", flush=True)
+        memory.stop()
         peak = peak_rss_gib(proc.pid)
     medians = {k: statistics.median(p[k] for p in phases) for k in phases[0]}
-    print(f"{name}: median s/step {statistics.median(times):.3f} = " + " + ".join(f"{k} {v:.3f}" for k, v in medians.items()), flush=True)
-    return {"s_per_step": statistics.median(times), "peak_gib": peak}
+    median = statistics.median(times)
+    print(f"{name}: median s/step {median:.3f} = " + " + ".join(f"{k} {v:.3f}" for k, v in medians.items()), flush=True)
+    print(f"{name}: server peak resident GiB by phase: "
+          + ", ".join(f"{k} {v:.2f}" for k, v in memory.peaks(intervals).items()) + f"; VmHWM {peak:.2f}", flush=True)
+    # The work of the step whose time is the median (its own sampled lengths).
+    median_step = min(range(len(times)), key=lambda i: abs(times[i] - median))
+    roofline = Roofline(step_gemms(model_dir, lengths[median_step]), threads=args.threads, dtypes=("float32",)).measure(repeats=3)
+    print(f"{name}: {roofline.summary()}", flush=True)
+    print(f"{name}: " + roofline.achieved("median step", median, "float32"), flush=True)
+    return {"s_per_step": median, "peak_gib": peak}
 
 
 def main() -> None:
@@ -76,7 +170,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--only", choices=("tiny", "smollm2"), default=None)
+    parser.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                        help="an argument added to `skyrl tinker serve` (repeatable; write --server-arg=--engine-option)")
     args = parser.parse_args()
+    print(machine(), flush=True)
+    if args.server_arg:
+        print(f"server arguments: {' '.join(args.server_arg)}", flush=True)
 
     from skyrl_core.models import prepare_smollm2
     from skyrl_core.testing.backend_contract import TINY_QWEN3
@@ -105,6 +204,7 @@ def main() -> None:
             f"{name:<9} {ours['s_per_step']:13.3f} {peer['s_per_step']:12.2f} {ours['s_per_step'] / peer['s_per_step']:7.3f} "
             f"{ours['peak_gib']:15.2f} {peak_peer or '-':>14} {peak_ratio}"
         )
+    print(f"load at the end: {uptime()}")
 
 
 if __name__ == "__main__":

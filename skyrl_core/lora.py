@@ -150,14 +150,16 @@ def merged_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tens
     return (weight.float() + delta).to(weight.dtype)
 
 
-def merged_weights(base: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-    """``(<module>.weight, merged)`` for every module of an adapter (as ``adapter_tensors`` names
-    them), from ``base`` (``<module>.weight`` -> the base weight)."""
-    modules = [key[: -len(".lora_A")] for key in tensors if key.endswith(".lora_A")]
-    return [
-        (
-            f"{m}.weight",
-            merged_weight(base[f"{m}.weight"], tensors[f"{m}.lora_A"], tensors[f"{m}.lora_B"], tensors[f"{m}.lora_scale"]),
-        )
-        for m in modules
-    ]
+def adapted_weight_names(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """``<module>.weight`` of every module of an adapter (as ``adapter_tensors`` names them)."""
+    return [f"{key[: -len('.lora_A')]}.weight" for key in tensors if key.endswith(".lora_A")]
+
+
+def merged_weights(base: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(<module>.weight, merged)`` for every module of an adapter (``adapted_weight_names``), from
+    ``base`` (``<module>.weight`` -> the base weight). Each is computed when iterated to, so a
+    consumer that copies them away one by one (an engine's ``update_weights``) holds one at a time
+    instead of a whole merged model."""
+    for name in adapted_weight_names(tensors):
+        m = name[: -len(".weight")]
+        yield name, merged_weight(base[name], tensors[f"{m}.lora_A"], tensors[f"{m}.lora_B"], tensors[f"{m}.lora_scale"])

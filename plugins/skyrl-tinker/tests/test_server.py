@@ -3,6 +3,7 @@ processes on loopback with a tiny Qwen3 (untied embeddings, byte tokenizer)."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import httpx
@@ -32,7 +33,24 @@ def server(tiny_model, tmp_path_factory):
 
 
 def _client(url: str, key: str = TEST_KEY) -> tinker.ServiceClient:
+    """A client to use as a context manager inside the server's lifetime: leaving it finishes the
+    session and stops the SDK's heartbeat thread (else it outlives the server and logs errors)."""
     return tinker.ServiceClient(base_url=url, api_key=key)
+
+
+@pytest.fixture
+def connect():
+    """``connect(url, key)``: a client of the module's server (which outlives the test), closed when
+    the test ends."""
+    opened: list[tinker.ServiceClient] = []
+
+    def connect(url: str, key: str = TEST_KEY) -> tinker.ServiceClient:
+        opened.append(_client(url, key))
+        return opened[-1]
+
+    yield connect
+    for service in opened:
+        service.close("success").result(timeout=30)
 
 
 def _datum(tokens: list[int], **inputs) -> types.Datum:
@@ -80,9 +98,9 @@ def _dir(ck: Path, path: str) -> Path:
     return hit
 
 
-def test_supervised_loop_with_cross_entropy_lowers_the_loss(server):
+def test_supervised_loop_with_cross_entropy_lowers_the_loss(server, connect):
     url, _ = server
-    tc = _client(url).create_lora_training_client(base_model="tiny", rank=8, seed=0).result()
+    tc = connect(url).create_lora_training_client(base_model="tiny", rank=8, seed=0).result()
     assert tc.get_info().lora_rank == 8 and tc.get_info().model_data.model_name == "tiny"
     losses = _sl_steps(tc, 6)
     assert losses[-1] < 0.7 * losses[0], losses
@@ -97,7 +115,7 @@ def test_supervised_loop_with_cross_entropy_lowers_the_loss(server):
     assert custom["surrogate_loss:sum"] == pytest.approx(custom["mean_nll"], rel=1e-5)  # sum(-lp * 1/T)
 
     # REST listing and deletion.
-    rest = _client(url).create_rest_client()
+    rest = connect(url).create_rest_client()
     path = tc.save_state("sl").result().path
     assert rest.get_training_run(tc.model_id).result().last_checkpoint.tinker_path == path
     assert rest.get_weights_info_by_tinker_path(path).result().lora_rank == 8
@@ -105,9 +123,9 @@ def test_supervised_loop_with_cross_entropy_lowers_the_loss(server):
     assert rest.list_checkpoints(tc.model_id).result().checkpoints == []
 
 
-def test_rl_loop_with_importance_sampling_raises_the_reward(server):
+def test_rl_loop_with_importance_sampling_raises_the_reward(server, connect):
     url, _ = server
-    tc = _client(url).create_lora_training_client(base_model="tiny", rank=8, seed=0).result()
+    tc = connect(url).create_lora_training_client(base_model="tiny", rank=8, seed=0).result()
     tokenizer = byte_tokenizer()
     prompts = arithmetic_prompts(tokenizer.encode, 8)
     sampler = first = tc.save_weights_and_get_sampling_client().result()
@@ -126,9 +144,9 @@ def test_rl_loop_with_importance_sampling_raises_the_reward(server):
         assert again == {"completions": [], "cursor": 8}
 
 
-def test_save_state_load_state_round_trips_weights_and_optimizer_bit_for_bit(server):
+def test_save_state_load_state_round_trips_weights_and_optimizer_bit_for_bit(server, connect):
     url, ck = server
-    tc = _client(url).create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
+    tc = connect(url).create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
     _sl_steps(tc, 2)
     saved = tc.save_state("round-trip").result().path
     assert saved.endswith("/weights/round-trip")
@@ -149,9 +167,9 @@ def test_save_state_load_state_round_trips_weights_and_optimizer_bit_for_bit(ser
     assert any(not torch.equal(weights_only[k], original[k]) for k in original)
 
 
-def test_two_adapters_trained_at_once_end_bit_equal_to_each_trained_alone(server):
+def test_two_adapters_trained_at_once_end_bit_equal_to_each_trained_alone(server, connect):
     url, ck = server
-    service = _client(url)
+    service = connect(url)
     data_a = [_datum(SENTENCE)]
     data_b = [_datum(list(range(200, 230))), _datum(list(range(7, 19)))]
     a = service.create_lora_training_client(base_model="tiny", rank=4, seed=11).result()
@@ -183,9 +201,9 @@ def _raw_forward_backward(model_id: str, data: list[types.Datum], loss_fn: str =
     return forward_backward_request_to_proto(request).SerializeToString()
 
 
-def test_bad_input_gets_a_clear_4xx_and_the_server_keeps_serving(server):
+def test_bad_input_gets_a_clear_4xx_and_the_server_keeps_serving(server, connect):
     url, _ = server
-    tc = _client(url).create_lora_training_client(base_model="tiny", rank=4, seed=0).result()
+    tc = connect(url).create_lora_training_client(base_model="tiny", rank=4, seed=0).result()
     proto = {"Content-Type": "application/x-protobuf", **HEADERS}
     with httpx.Client(base_url=url, timeout=30) as http:
         r = http.post("/api/v1/forward_backward", content=_raw_forward_backward("no-such-model", [_datum(SENTENCE)]), headers=proto)
@@ -210,7 +228,7 @@ def test_bad_input_gets_a_clear_4xx_and_the_server_keeps_serving(server):
         assert all(r.headers["x-should-retry"] == "false" for r in [r])
     # Through the SDK: the error reaches the caller, nothing was queued, the model still trains.
     with pytest.raises(Exception, match="is not served here; this server serves 'tiny'"):
-        _client(url).create_lora_training_client(base_model="other", rank=4).result()
+        connect(url).create_lora_training_client(base_model="other", rank=4).result()
     assert len(_sl_steps(tc, 1)) == 1
 
 
@@ -223,16 +241,16 @@ def test_a_restarted_server_answers_for_finished_work_and_lists_checkpoints(tiny
         created = http.post("/api/v1/create_model", json={"session_id": session, "model_seq_id": 0, "base_model": "tiny", "lora_config": {"rank": 4, "seed": 5, "train_unembed": False}}, headers=HEADERS).json()
         first = http.post("/api/v1/retrieve_future", json={"request_id": created["request_id"]}, headers=HEADERS).json()
         assert first == {"model_id": f"{session}:train:0", "type": "create_model"}
-        service = _client(url)
-        tc = service.create_lora_training_client(base_model="tiny", rank=4, seed=6).result()
-        _sl_steps(tc, 2)
-        path = tc.save_state("before-restart").result().path
-        bits = _forward_bits(tc)
-        # Work still queued when the process is killed (behind a long forward_backward).
-        long = [_datum(list(range(1, 250)))] * 64
-        proto = {"Content-Type": "application/x-protobuf", **HEADERS}
-        busy = http.post("/api/v1/forward_backward", content=_raw_forward_backward(tc.model_id, long), headers=proto).json()
-        queued = http.post("/api/v1/save_weights", json={"model_id": tc.model_id, "path": "never"}, headers=HEADERS).json()
+        with _client(url) as service:
+            tc = service.create_lora_training_client(base_model="tiny", rank=4, seed=6).result()
+            _sl_steps(tc, 2)
+            path = tc.save_state("before-restart").result().path
+            bits = _forward_bits(tc)
+            # Work still queued when the process is killed (behind a long forward_backward).
+            long = [_datum(list(range(1, 250)))] * 64
+            proto = {"Content-Type": "application/x-protobuf", **HEADERS}
+            busy = http.post("/api/v1/forward_backward", content=_raw_forward_backward(tc.model_id, long), headers=proto).json()
+            queued = http.post("/api/v1/save_weights", json={"model_id": tc.model_id, "path": "never"}, headers=HEADERS).json()
     # (killed with SIGKILL: nothing ran after this point)
     with serve(tiny_model, ck, port=port) as url, httpx.Client(base_url=url, timeout=60) as http:
         again = http.post("/api/v1/retrieve_future", json={"request_id": created["request_id"]}, headers=HEADERS).json()
@@ -242,24 +260,26 @@ def test_a_restarted_server_answers_for_finished_work_and_lists_checkpoints(tiny
             assert r["category"] == "server" and "did not run to completion" in r["error"]
         r = http.post("/api/v1/retrieve_future", json={"request_id": "0" * 16 + queued["request_id"][16:]}, headers=HEADERS)
         assert r.status_code == 404  # an id of no recorded server process is not reported as lost work
-        service = _client(url)
-        listed = service.create_rest_client().list_checkpoints(tc.model_id).result().checkpoints
-        assert [c.tinker_path for c in listed] == [path]
-        r = http.post("/api/v1/optim_step", json={"model_id": tc.model_id, "adam_params": {}}, headers=HEADERS)
-        assert r.status_code == 409 and "earlier server process" in r.text
-        restored = service.create_training_client_from_state_with_optimizer(path).result()
-        assert (_forward_bits(restored) == bits).all()
+        with _client(url) as service:
+            listed = service.create_rest_client().list_checkpoints(tc.model_id).result().checkpoints
+            assert [c.tinker_path for c in listed] == [path]
+            r = http.post("/api/v1/optim_step", json={"model_id": tc.model_id, "adam_params": {}}, headers=HEADERS)
+            assert r.status_code == 409 and "earlier server process" in r.text
+            restored = service.create_training_client_from_state_with_optimizer(path).result()
+            assert (_forward_bits(restored) == bits).all()
 
 
 def test_api_keys_authenticate_and_isolate(tiny_model, tmp_path):
     other = "tml-other-key"
     (tmp_path / "keys").write_text(f"# test keys\n{TEST_KEY}\n{other}\n")
     (tmp_path / "ck").mkdir()
-    with serve(tiny_model, tmp_path / "ck", extra=("--api-keys", str(tmp_path / "keys"))) as url, httpx.Client(base_url=url, timeout=60) as http:
+    with (serve(tiny_model, tmp_path / "ck", extra=("--api-keys", str(tmp_path / "keys"))) as url,
+          httpx.Client(base_url=url, timeout=60) as http, contextlib.ExitStack() as stack):
         assert http.post("/api/v1/create_session", json={"tags": [], "user_metadata": None, "sdk_version": "x"}).status_code == 401
         r = http.post("/api/v1/create_session", json={"tags": [], "user_metadata": None, "sdk_version": "x"}, headers={"X-API-Key": "tml-wrong"})
         assert r.status_code == 401 and "invalid API key" in r.text
-        tc = _client(url).create_lora_training_client(base_model="tiny", rank=4, seed=0).result()
+        service = stack.enter_context(_client(url))
+        tc = service.create_lora_training_client(base_model="tiny", rank=4, seed=0).result()
         path = tc.save_state("mine").result().path
         theirs = {"X-API-Key": other}
         r = http.post("/api/v1/get_info", json={"model_id": tc.model_id}, headers=theirs)
@@ -271,7 +291,8 @@ def test_api_keys_authenticate_and_isolate(tiny_model, tmp_path):
         assert r.status_code == 404
         mine = http.get("/api/v1/checkpoints", headers=HEADERS).json()["checkpoints"]
         assert [c["tinker_path"] for c in mine] == [path]
-        assert _client(url, other).create_lora_training_client(base_model="tiny", rank=4).result().get_info().lora_rank == 4
+        theirs_client = stack.enter_context(_client(url, other))
+        assert theirs_client.create_lora_training_client(base_model="tiny", rank=4).result().get_info().lora_rank == 4
 
 
 ENGINES = {  # name -> (serve arguments, environment); the engine's module is checked in the server's log
@@ -288,8 +309,8 @@ def test_sampled_logprobs_equal_training_logprobs_bit_for_bit_with_isoexec(tiny_
     (tmp_path / "ck").mkdir()
     extra, env = ENGINES[engine]
     env = {k: v.format(tmp=tmp_path) for k, v in env.items()}
-    with serve(tiny_model, tmp_path / "ck", extra=extra, env={"SKYRL_ISOEXEC": isoexec, **env}) as url:
-        tc = _client(url).create_lora_training_client(base_model="tiny", rank=4, seed=0).result()
+    with serve(tiny_model, tmp_path / "ck", extra=extra, env={"SKYRL_ISOEXEC": isoexec, **env}) as url, _client(url) as service:
+        tc = service.create_lora_training_client(base_model="tiny", rank=4, seed=0).result()
         losses = _sl_steps(tc, 3)  # a trained adapter, so the merged weights differ from the base
         assert losses[2] < losses[1] < losses[0]  # (with IsoExec, training runs through the merged weights)
         sampler = tc.save_weights_and_get_sampling_client().result()
@@ -317,15 +338,16 @@ def test_sampled_logprobs_equal_training_logprobs_bit_for_bit_with_isoexec(tiny_
         assert differing > 0 and differing_fb > 0
 
 
-def test_training_runs_on_the_fsdp_backend_through_the_sdk(server, tiny_model, tmp_path):
+def test_training_runs_on_the_fsdp_backend_through_the_sdk(server, connect, tiny_model, tmp_path):
     """``--backend fsdp``: each run is an FSDP backend with a LoRA adapter; it trains like the
     in-process trainer (same seed, same init: the same losses up to rounding), samples from its
     adapter, and its state round-trips with AdamW moments (negative control: weights only)."""
-    reference = _client(server[0]).create_lora_training_client(base_model="tiny", rank=4, seed=21).result()
+    reference = connect(server[0]).create_lora_training_client(base_model="tiny", rank=4, seed=21).result()
     expected = _sl_steps(reference, 4)
     (tmp_path / "ck").mkdir()
-    with serve(tiny_model, tmp_path / "ck", extra=("--backend", "fsdp")) as url, httpx.Client(base_url=url, timeout=60) as http:
-        tc = _client(url).create_lora_training_client(base_model="tiny", rank=4, seed=21).result()
+    with (serve(tiny_model, tmp_path / "ck", extra=("--backend", "fsdp")) as url, httpx.Client(base_url=url, timeout=60) as http,
+          _client(url) as service):
+        tc = service.create_lora_training_client(base_model="tiny", rank=4, seed=21).result()
         losses = _sl_steps(tc, 4)
         assert losses == pytest.approx(expected, rel=1e-4) and losses[-1] < 0.9 * losses[0], (losses, expected)
 

@@ -179,14 +179,32 @@ def create_app(service: TinkerService, *, api_keys: set[str] | None = None, max_
 
     # --- futures --------------------------------------------------------------------------------------
 
+    async def finished(future_id: str, timeout: float) -> None:
+        """Return when ``future_id`` is finished (or not pending), or after ``timeout`` seconds: woken
+        by the worker, not by polling (a poll every few ms per waiting request takes the GIL from
+        the worker, which for a small model is most of the step)."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def wake() -> None:  # on the worker thread
+            try:
+                loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+            except RuntimeError:  # the loop is closed: the server is stopping, nobody waits
+                pass
+
+        if not service.when_finished(future_id, wake):
+            return
+        try:
+            await asyncio.wait_for(done, timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            service.forget_waiter(future_id, wake)
+
     @app.post(f"{API}/retrieve_future")
     async def retrieve_future(request: Request) -> Response:
         r = await body(request, types.FutureRetrieveRequest)
-        event = service.done_event(r.request_id)
-        waited = 0.0
-        while event is not None and not event.is_set() and waited < LONG_POLL_SECONDS:
-            await asyncio.sleep(0.005)
-            waited += 0.005
+        await finished(r.request_id, LONG_POLL_SECONDS)
         form, payload = service.retrieve(owner(request), r.request_id)
         if form == "proto":
             return Response(payload, media_type="application/x-protobuf")

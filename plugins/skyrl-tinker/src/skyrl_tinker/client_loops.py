@@ -47,13 +47,15 @@ def rl_step(
     seed: int,
     loss_fn: str = "importance_sampling",
     timings: dict[str, float] | None = None,
+    lengths: list[tuple[int, int]] | None = None,
 ) -> tuple[float, Any]:
     """One RL step as a Tinker user writes it: sample ``samples`` continuations of every prompt,
     group-centred advantages, one ``forward_backward`` with ``loss_fn`` on the sampler's logprobs,
     one ``optim_step``, then a sampling client for the new weights. Returns the mean reward of
     this step's samples and that sampling client. ``timings`` (if given) receives the seconds of
     each phase: ``sample`` (all samples back), ``train`` (``forward_backward`` and ``optim_step``
-    back), ``save`` (the next sampling client ready)."""
+    back), ``save`` (the next sampling client ready). ``lengths`` (if given) receives ``(prompt
+    tokens, sampled tokens)`` of every sample."""
     import time
 
     from tinker import types
@@ -72,6 +74,8 @@ def rl_step(
         mean = sum(group) / len(group)
         P = len(prompt.tokens)
         for seq, r in zip(sequences, group):
+            if lengths is not None:
+                lengths.append((P, len(seq.tokens)))
             if not seq.tokens:
                 continue
             full = list(prompt.tokens) + list(seq.tokens)

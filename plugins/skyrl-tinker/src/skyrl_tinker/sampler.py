@@ -9,6 +9,7 @@ or, for the base model, the original weights of every module an earlier adapter 
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Sequence
 
 import torch
@@ -64,13 +65,14 @@ class Sampler:
         base model; ``key`` names those weights."""
         if key == self.loaded:
             return
-        merged = lora.merged_weights(base, tensors) if tensors else []
-        names = {n for n, _ in merged}
+        names = set(lora.adapted_weight_names(tensors)) if tensors else set()
+        merged = lora.merged_weights(base, tensors) if tensors else iter(())
         if self.full_sets:
             self.engine.update_weights(list({**base, **dict(merged)}.items()))
         else:
+            # (merged one module at a time as the engine copies them in: never a whole merged model)
             restore = [(n, base[n]) for n in sorted(self.changed - names)]
-            self.engine.update_weights(restore + merged)
+            self.engine.update_weights(itertools.chain(restore, merged))
         self.changed = names
         self.loaded = key
 

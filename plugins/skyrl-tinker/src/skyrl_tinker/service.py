@@ -68,8 +68,6 @@ class NotFound(TinkerError):
 Result = tuple[str, Any]  # ("json", dict) or ("proto", bytes)
 # Sampling requests queued back to back for the same weights share one engine call, up to this many.
 MAX_SAMPLE_BATCH = 64
-# While the engine generates, how often the worker looks for sampling requests that can join it.
-SAMPLE_JOIN_POLL_SECONDS = 0.002
 
 
 @attrs.frozen
@@ -118,7 +116,11 @@ class TinkerService:
         self._sampler: Any = None
         self._sampler_tensors: tuple[str, Any] | None = None
         self._queue: queue.Queue = queue.Queue()
-        self._finished: dict[str, threading.Event] = {}
+        self._arrived = threading.Condition()  # notified on every submission and every finished generate call
+        # Future id -> callbacks to run (on the worker thread) once it is finished: the long-polls
+        # waiting for it. A future is in here from submission until it is recorded.
+        self._waiters: dict[str, list[Callable[[], None]]] = {}
+        self._waiters_lock = threading.Lock()
         self._pending: dict[str, FutureRow] = {}  # queued or running; written when finished
         self._worker = threading.Thread(target=self._work, name="tinker-worker", daemon=True)
         self._worker.start()
@@ -133,8 +135,10 @@ class TinkerService:
         future_id = f"{self.instance}.{uuid.uuid4().hex}"
         self._pending[future_id] = FutureRow(id=future_id, owner=owner, model_id=model_id, kind=kind,
                                              sampling_session=sampling_session, status=PENDING, created=now())
-        self._finished[future_id] = threading.Event()
-        self._queue.put((future_id, work))
+        self._waiters[future_id] = []
+        with self._arrived:  # (a sampling batch in progress may take it: _run_samples)
+            self._queue.put((future_id, work))
+            self._arrived.notify_all()
         return {"request_id": future_id, "model_id": model_id, **extra}
 
     def _work(self) -> None:
@@ -185,9 +189,10 @@ class TinkerService:
         self.store.finish([(self._pending[future_id], values) for future_id, values in outcomes])
         for future_id, _ in outcomes:
             del self._pending[future_id]  # (after the commit: a reader finds it here or there)
-            event = self._finished.pop(future_id, None)
-            if event is not None:
-                event.set()
+            with self._waiters_lock:
+                wake = self._waiters.pop(future_id, [])
+            for callback in wake:
+                callback()
 
     def _run_samples(self, first: tuple[str, SampleJob]) -> None:
         """Sampling requests for the same weights as one engine batch. An engine that batches
@@ -209,27 +214,32 @@ class TinkerService:
             return
         results: dict[str, Any] = {}
 
+        running = [0]  # generate calls not yet returned (under self._arrived)
+
         def generate(batch: list[tuple[str, SampleJob]]) -> None:
             requests = [GenerationRequest(request_id=fid, prompt_token_ids=tuple(j.prompt), sampling=j.params) for fid, j in batch]
             try:
                 results.update(zip((fid for fid, _ in batch), sampler.sample(requests)))
             except Exception as error:  # noqa: BLE001
                 results.update((fid, error) for fid, _ in batch)
+            finally:
+                with self._arrived:
+                    running[0] -= 1
+                    self._arrived.notify_all()
 
         if getattr(sampler.engine, "supports_pause", False):
-            threads = [threading.Thread(target=generate, args=(list(jobs),), name="tinker-sample", daemon=True)]
-            threads[0].start()
-            while True:
-                joining = self._next_samples(job)
-                if joining:
-                    jobs += joining
-                    threads.append(threading.Thread(target=generate, args=(joining,), name="tinker-sample", daemon=True))
-                    threads[-1].start()
-                    continue
-                running = [t for t in threads if t.is_alive()]
-                if not running:
-                    break
-                running[-1].join(SAMPLE_JOIN_POLL_SECONDS)
+            batch = list(jobs)
+            with self._arrived:  # (woken by a submission or a finished call: no polling)
+                while True:
+                    if batch:
+                        running[0] += 1
+                        threading.Thread(target=generate, args=(batch,), name="tinker-sample", daemon=True).start()
+                    batch = self._next_samples(job)
+                    jobs += batch
+                    if not batch:
+                        if not running[0]:
+                            break
+                        self._arrived.wait()
         else:
             generate(jobs)
         seconds = (time.perf_counter() - start) / len(jobs)
@@ -248,8 +258,21 @@ class TinkerService:
                 outcomes.append((future_id, self._failure(error)))
         self._record(outcomes)
 
-    def done_event(self, future_id: str) -> threading.Event | None:
-        return self._finished.get(future_id)
+    def when_finished(self, future_id: str, callback: Callable[[], None]) -> bool:
+        """Run ``callback()`` (on the worker thread, so it must only hand over) once ``future_id``
+        is finished; False, and no call, when it is not waiting to finish now (finished or unknown)."""
+        with self._waiters_lock:
+            waiting = self._waiters.get(future_id)
+            if waiting is None:
+                return False
+            waiting.append(callback)
+            return True
+
+    def forget_waiter(self, future_id: str, callback: Callable[[], None]) -> None:
+        with self._waiters_lock:
+            waiting = self._waiters.get(future_id)
+            if waiting is not None and callback in waiting:
+                waiting.remove(callback)
 
     def retrieve(self, owner: str, future_id: str) -> Result:
         """The finished result (json or proto), an error record, or ``try_again``."""

@@ -32,6 +32,7 @@ from skyrl_core.config.schema import ModelConfig
 from skyrl_core.heap import keep_freed_memory, release_freed_memory
 from skyrl_core.models import load_causal_lm
 from skyrl_core.ops import prepare_model, site_scope, token_logprobs
+from skyrl_core.ops.chunked_logprobs import chunked_token_logprobs, output_head, with_final_hidden
 from skyrl_core.ops.install import DEFAULT_IMPLS
 from skyrl_tinker.losses import compute_loss
 
@@ -39,9 +40,13 @@ ADAPTER_FILE = "adapter.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 META_FILE = "adapter.json"
 # Estimated memory of one forward/backward pass (padded positions x ``LoraTrainer.bytes_per_token``):
-# a mini-batch is split where it would pass this. Fewer, larger passes are faster: a tiny model's
-# 64-datum batch is one pass, SmolLM2's (576 wide, 30 layers, 49k vocab) five (15 rows each).
+# a mini-batch is split where it would pass this. Fewer, larger passes are a little faster: a tiny
+# model's 64-datum batch is one pass; SmolLM2's (576 wide, 30 layers) 64 RL samples of ~36 tokens
+# ten (7 rows each), which keeps the server's peak near 3 GiB with two fp32 copies of the model.
 MICRO_BATCH_BYTES = 1 << 30
+# Bytes of fp32 logits (positions x vocabulary) that exist at once in a pass (``_logprobs``):
+# SmolLM2's 49k vocabulary gives chunks of 341 positions, a tiny model's one chunk per pass.
+LOGPROB_CHUNK_BYTES = 64 << 20
 # Passes estimated at this size or more give the freed heap back to the OS afterwards.
 RELEASE_AFTER_BYTES = 1 << 28
 
@@ -86,13 +91,17 @@ class LoraTrainer:
         self.merged_training = not all(impl.name == DEFAULT_IMPLS[op].name for (op, _), impl in self.ledger.declared.items())
         self.config = self.model.config.get_text_config()
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        self.logprob_chunk_tokens = max(1, LOGPROB_CHUNK_BYTES // (4 * self.vocab_size))
         self.max_len = int(getattr(self.config, "max_position_embeddings", 4096))
-        # fp32 bytes a position costs in a training pass: logits, their log-softmax and gradient,
-        # and what each decoder layer keeps for backward (about 8 hidden-wide and 4 MLP-wide values).
+        # fp32 bytes a position costs in a training pass: what each decoder layer keeps for backward
+        # and the heap's slack around it, about 24 hidden-wide and 12 MLP-wide values (measured:
+        # SmolLM2 with rank-8 LoRA on every projection, 3.7-4.3 MiB a position against 3.7 here;
+        # norms, rotary, attention and LoRA's sums keep many hidden-wide copies). The logits do
+        # not count: they are chunked (``_logprobs``).
         hidden = int(getattr(self.config, "hidden_size", 0))
         mlp = int(getattr(self.config, "intermediate_size", 0) or 4 * hidden)
         layers = int(getattr(self.config, "num_hidden_layers", 0))
-        self.bytes_per_token = 4 * (3 * self.vocab_size + layers * (8 * hidden + 4 * mlp))
+        self.bytes_per_token = 4 * layers * (24 * hidden + 12 * mlp)
         self.adapters: dict[str, Adapter] = {}
 
     # --- adapters ---------------------------------------------------------------------------------
@@ -151,11 +160,25 @@ class LoraTrainer:
         return ids, mask, inputs
 
     def _logprobs(self, ids: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """``[B, T]`` logprob of ``targets[:, i]`` given ``ids[:, :i + 1]`` (right padding: 0 there)."""
-        position_ids = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
-        logits = self.model(input_ids=ids, attention_mask=mask.long(), position_ids=position_ids, use_cache=False).logits
-        logprobs = token_logprobs(logits, targets, ledger=self.ledger)
-        return torch.where(mask.bool(), logprobs, torch.zeros((), dtype=logprobs.dtype))
+        """``[B, T]`` logprob of ``targets[:, i]`` given ``ids[:, :i + 1]`` (right padding: 0 there).
+
+        The output head and log-softmax run on the real positions only, ``logprob_chunk_tokens`` at
+        a time (``skyrl_core.ops.chunked_logprobs``; under autograd each chunk is recomputed in
+        backward), so a pass never holds ``[rows, length, vocabulary]`` logits or their gradient."""
+        where = mask.bool()
+        head = output_head(self.model)
+
+        def score(hidden: torch.Tensor) -> torch.Tensor:
+            kept, kept_targets = hidden[where], targets[where]
+            if kept.shape[0] <= self.logprob_chunk_tokens:  # one chunk: kept for backward, not recomputed
+                logprobs = token_logprobs(head(kept), kept_targets, ledger=self.ledger)
+            else:
+                logprobs, _ = chunked_token_logprobs(kept, head, kept_targets, ledger=self.ledger,
+                                                     chunk_tokens=self.logprob_chunk_tokens)
+            return torch.zeros(where.shape, dtype=torch.float32).masked_scatter(where, logprobs.float())
+
+        # (right padding: positions count from 0 in every row, and no real position sees a pad)
+        return with_final_hidden(self.model, ids, mask.long(), ids.shape[1], score)
 
     @contextlib.contextmanager
     def _merged(self, tensors: dict[str, torch.Tensor] | None) -> Iterator[None]:
