@@ -13,7 +13,7 @@ class PauseNotSupported:
     def pause(self) -> None:
         raise NotImplementedError(
             f"{type(self).__name__} cannot pause in-flight requests (pause/resume with in-place weight "
-            "updates is built for the torch engine)"
+            "updates is built for the torch and vllm engines)"
         )
 
     def resume(self) -> None:

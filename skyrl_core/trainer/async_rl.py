@@ -292,5 +292,5 @@ def check_mode(cfg: Config, plugin_manager: SkyrlPluginManager) -> None:
     if not getattr(engine_class, "supports_pause", False):
         raise ValueError(
             f"trainer.mode={mode!r} needs an engine that pauses in-flight requests and serves concurrent "
-            f"generate calls; engine {cfg.engine.name!r} cannot (engine 'torch' can); use trainer.mode=sync"
+            f"generate calls; engine {cfg.engine.name!r} cannot (engines 'torch' and 'vllm' can); use trainer.mode=sync"
         )

@@ -64,7 +64,7 @@ def check_engine_placement(cfg: Config, plugin_manager: SkyrlPluginManager | Non
     elif not _engine_supports_separate_process(ec.name, plugin_manager):
         issues.append(ConfigIssue(
             "engine.placement", f"'separate' (engines as Ray actor processes) needs an engine that declares "
-            f"supports_separate_process (engine 'torch' does); engine {ec.name!r} runs colocated",
+            f"supports_separate_process (engines 'torch' and 'vllm' do); engine {ec.name!r} runs colocated",
             allowed=("colocated",)))
     elif ec.ray_placement == "disaggregate":
         world_size = getattr(cfg.backend.options, "world_size", 1)

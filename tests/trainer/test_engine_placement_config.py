@@ -45,8 +45,9 @@ def test_disaggregate_needs_trainer_rank_actors_and_separate_needs_an_engine_tha
         check_engine_placement(_cfg({"placement": "separate", "ray_placement": "disaggregate"}))
     check_engine_placement(_cfg({"placement": "separate", "ray_placement": "disaggregate"},
                                 backend={"name": "fsdp", "options": {"world_size": 2}}))
-    cfg = structure_config({**TINY, "engine": {"name": "vllm", "placement": "separate"}})
-    with pytest.raises(ConfigError, match=r"engine\.placement: 'separate' .* supports_separate_process .* engine 'vllm' "
+    check_engine_placement(structure_config({**TINY, "engine": {"name": "vllm", "placement": "separate"}}))
+    cfg = structure_config({**TINY, "engine": {"name": "openai", "options": {"launch": True}, "placement": "separate"}})
+    with pytest.raises(ConfigError, match=r"engine\.placement: 'separate' .* supports_separate_process .* engine 'openai' "
                                           "runs colocated"):
         check_engine_placement(cfg)
 

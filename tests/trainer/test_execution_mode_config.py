@@ -34,8 +34,8 @@ def test_unknown_mode_and_bad_async_options_are_refused():
 def test_async_modes_need_an_engine_that_pauses(mode):
     pm = get_plugin_manager()
     check_mode(_load(mode), pm)  # the torch engine pauses and serves concurrent calls
-    check_mode(_load("sync", engine={"name": "vllm"}), pm)
-    for engine in ({"name": "vllm"}, {"name": "openai", "options": {"launch": True}}, {"name": "sglang"}):
+    check_mode(_load(mode, engine={"name": "vllm"}), pm)  # so does vLLM's (multiprocess mode, the default)
+    for engine in ({"name": "openai", "options": {"launch": True}}, {"name": "sglang"}):
         if engine["name"] not in pm.registry.names("inference_engine"):
             continue
         with pytest.raises(ValueError, match=f"trainer.mode='{mode}' needs an engine that pauses"):
@@ -47,3 +47,16 @@ def test_dynamic_sampling_is_refused_outside_sync(mode):
     cfg = _load(mode, algorithm={"dynamic_sampling": {"mode": "drop"}})
     with pytest.raises(ValueError, match="dynamic_sampling"):
         check_mode(cfg, get_plugin_manager())
+
+
+@pytest.mark.parametrize("mode", ["one_step_off", "fully_async"])
+def test_an_in_process_vllm_engine_is_refused_in_the_async_modes(mode):
+    """vLLM in the calling process (offline LLM) can neither pause nor serve concurrent calls."""
+    from skyrl_vllm.preflight import problems
+
+    cfg = _load(mode, engine={"name": "vllm", "options": {"multiprocess": False}})
+    (problem,) = problems(cfg, cfg.engine.options)
+    assert f"engine.options.multiprocess: false cannot serve trainer.mode: '{mode}'" in problem
+    assert problems(_load("sync", engine={"name": "vllm", "options": {"multiprocess": False}}), cfg.engine.options) == []
+    default = _load(mode, engine={"name": "vllm"})
+    assert problems(default, default.engine.options) == []

@@ -1,4 +1,10 @@
-"""The ``vllm`` inference engine: skyrl's ``InferenceEngine`` over vLLM's offline ``LLM`` API."""
+"""The ``vllm`` inference engine: skyrl's ``InferenceEngine`` over vLLM.
+
+In its default multiprocess mode the engine drives vLLM's ``AsyncLLM`` (``skyrl_vllm.async_driver``):
+concurrent ``generate`` calls, pause/resume at a token boundary and weights loaded while paused,
+each token stamped with its policy version. In-process (``multiprocess: false``) it drives vLLM's
+offline ``LLM`` in the calling process, which cannot pause.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +12,10 @@ import gc
 import logging
 import multiprocessing
 import os
+import threading
+import types
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
-from skyrl_core.engine_pause import PauseNotSupported
 from skyrl_core.engines.lifecycle import environ, running, temporary_workdir
 from skyrl_core.engines.model_dir import checked_weights, checkpoint_shapes, materialize_model, write_weights_file
 from skyrl_core.engines.requests import check_request
@@ -69,20 +76,28 @@ def engine_kwargs(options: VLLMOptions, *, dtype: str, on_cpu: bool, sleep_avail
     return kwargs
 
 
-class VLLMEngine(PauseNotSupported):
+class VLLMEngine:
     """Generates with vLLM; weights update in place, without restarting vLLM.
 
     ``model`` is a local HF directory or a config (written to a temporary directory first, with
     weights initialised from ``seed``). vLLM's engine core and worker run in their own processes
-    (``options.multiprocess``, the default) or in the calling one. Before starting vLLM the engine
-    sets ``SKYRL_VLLM_WORKER=1`` so that skyrl's bootstrap (``skyrl_vllm.bootstrap``) runs in every
-    vLLM process.
+    (``options.multiprocess``, the default; then the engine pauses, ``supports_pause``) or in the
+    calling one. Before starting vLLM the engine sets ``SKYRL_VLLM_WORKER=1`` so that skyrl's
+    bootstrap (``skyrl_vllm.bootstrap``) runs in every vLLM process.
     """
+
+    supports_pause = True  # multiprocess mode (the default); an in-process engine sets False
+    supports_separate_process = True  # runs inside a Ray actor (engine.placement: separate)
 
     def __init__(self, model: ModelConfig, options: VLLMOptions | None = None, *, seed: int = 0) -> None:
         self.options = options or VLLMOptions()
         self.seed = seed
-        self._llm: Any = None
+        self.supports_pause = self.options.multiprocess
+        self.policy_version = 0  # stamped on every token chosen (multiprocess mode); set by update_weights
+        self._llm: Any = None  # vllm.LLM (in-process) or skyrl_vllm.async_driver.AsyncVLLM
+        self._paused = False
+        self._weights_file: str | None = None  # the weights the worker loaded last (multiprocess)
+        self._pause_lock = threading.Lock()
         self._asleep = False
         self._saved_process_state: tuple[Any, ...] | None = None
         problem = bootstrap.vllm_plugins_allowlist_problem()
@@ -105,6 +120,7 @@ class VLLMEngine(PauseNotSupported):
         self.device = "cpu" if current_platform.is_cpu() else str(current_platform.device_type)
         self.sleep_supported = bool(current_platform.is_sleep_mode_available())
         model_dir, tokenizer_dir = materialize_model(model, seed=self.seed, parent_dir=self._workdir)
+        self._model_dir = model_dir
         self._weight_shapes = checkpoint_shapes(model_dir)
         kwargs = engine_kwargs(
             self.options, dtype=self.dtype, on_cpu=current_platform.is_cpu(), sleep_available=self.sleep_supported
@@ -122,13 +138,20 @@ class VLLMEngine(PauseNotSupported):
             # once per process, and an earlier vLLM here may have done so without our marker: run
             # the (idempotent) bootstrap ourselves.
             bootstrap.register()
-            self._llm = vllm.LLM(model=model_dir, tokenizer=tokenizer_dir, seed=self.seed, **kwargs)
+            if self.options.multiprocess:
+                from skyrl_vllm.async_driver import AsyncVLLM
+
+                self._llm = AsyncVLLM(dict(model=model_dir, tokenizer=tokenizer_dir, seed=self.seed, **kwargs))
+                self._llm.set_weight_version(str(self.policy_version))
+            else:
+                self._llm = vllm.LLM(model=model_dir, tokenizer=tokenizer_dir, seed=self.seed, **kwargs)
         # Declare the worker's ops now (right after its model is built) and check the extension works.
         self._attest()
 
     # -- InferenceEngine ----------------------------------------------------------------------------
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[list[GeneratedSample]]:
+        """Multiprocess mode: thread-safe, concurrent calls are batched together by vLLM."""
         llm = self._running()
         if not requests:
             return []
@@ -136,28 +159,100 @@ class VLLMEngine(PauseNotSupported):
 
         for request in requests:
             check_request(request)
-        prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_token_ids)) for r in requests]
         params = [to_vllm_sampling_params(r.sampling) for r in requests]
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        return [to_samples(request, output) for request, output in zip(requests, outputs)]
+        if not self.supports_pause:
+            prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_token_ids)) for r in requests]
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            return [to_samples(request, output) for request, output in zip(requests, outputs)]
+        # Cached prefix blocks are shared only among requests started under the same policy: blocks
+        # of samples paused across an update stay cached, and must not serve newer requests.
+        salt = f"skyrl-policy-{self.policy_version}"
+        prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_token_ids), cache_salt=salt) for r in requests]
+        completions = llm.generate(prompts, params, [r.request_id for r in requests])
+        return [to_samples(request, types.SimpleNamespace(outputs=done), versioned=True)
+                for request, done in zip(requests, completions)]
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load the trainer's weights (HF names, a full set) in place; then drop cached prefixes."""
+    def pause(self) -> None:
+        """Stop every in-flight sample at a token boundary (vLLM keeps it and its KV cache); return
+        once stopped. ``generate`` calls wait meanwhile (new ones too) and continue after ``resume``."""
+        llm = self._pausable()
+        with self._pause_lock:
+            llm.pause()
+            self._paused = True
+
+    def resume(self) -> None:
+        """Continue the samples ``pause`` stopped, under the weights loaded meanwhile."""
+        llm = self._pausable()
+        with self._pause_lock:
+            llm.resume()
+            self._paused = False
+        self._weights_file: str | None = None  # the weights the worker loaded last (multiprocess)
+
+    def in_flight(self) -> dict[tuple[str, int], int]:
+        """Tokens chosen so far by each unfinished sample (admitted or waiting), by (request id, sample index)."""
+        return self._pausable().in_flight()
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
+        """Load the trainer's weights (HF names, a full set) in place; then drop cached prefixes.
+
+        Multiprocess mode: tokens chosen afterwards carry policy version ``version`` (``None``: the
+        current version + 1). While generation runs, the engine is paused around the update (unless
+        already paused): in-flight samples keep their KV cache and continue under the new weights.
+        """
         llm = self._running()
         # Checked here: a bad tensor inside vLLM's layerwise reload would leave the model half-loaded.
         tensors = checked_weights(named_tensors, self._weight_shapes)
+        if not self.supports_pause:
+            self._load(llm, tensors)
+            llm.reset_prefix_cache()
+            return
+        with self._pause_lock:
+            was_paused = self._paused
+            if not was_paused:
+                llm.pause()
+            try:
+                self._load(llm, tensors)
+                self.policy_version = self.policy_version + 1 if version is None else int(version)
+                llm.set_weight_version(str(self.policy_version))
+                if not llm.in_flight():  # (paused samples hold their blocks: vLLM would refuse)
+                    llm.reset_prefix_cache()
+            finally:
+                if not was_paused:
+                    llm.resume()
+
+    def weights_digest(self) -> str:
+        """``skyrl_core.weight_sync.weights_digest`` of the weights vLLM's worker loaded last, as it
+        read them (before vLLM fuses and repacks them into its own layout); at start, of the
+        checkpoint it was started from."""
+        from skyrl_core.weight_sync import weights_digest
+
+        digests = set(self._running().collective_rpc("skyrl_loaded_weights_digest"))
+        if digests != {None}:
+            if len(digests) != 1:
+                raise RuntimeError(f"vLLM's workers hold different weights: {sorted(map(str, digests))}")
+            return digests.pop()
+        from safetensors.torch import load_file
+
+        files = sorted(f for f in os.listdir(self._model_dir) if f.endswith(".safetensors"))
+        return weights_digest([item for f in files for item in load_file(os.path.join(self._model_dir, f)).items()])
+
+    def _load(self, llm: Any, tensors: list[tuple[str, torch.Tensor]]) -> None:
         if self.options.multiprocess:
-            # Tensors passed through collective_rpc arrive garbled in vLLM's worker process: send a file.
+            # Tensors passed through collective_rpc arrive garbled in vLLM's worker process: send a
+            # file. It stays until the next update (weights_digest reads it), then goes.
             path = write_weights_file([(n, t.to("cpu").contiguous()) for n, t in tensors], self._workdir)
             try:
                 loaded = llm.collective_rpc("skyrl_load_weights", args=(path,))
-            finally:
+            except BaseException:
                 os.remove(path)
+                raise
+            previous, self._weights_file = self._weights_file, path
+            if previous is not None and previous != path:
+                os.remove(previous)
         else:
             loaded = llm.collective_rpc("skyrl_load_weights", args=(tensors,))
         if any(n != len(tensors) for n in loaded):
             raise RuntimeError(f"vLLM workers loaded {loaded} tensors, expected {len(tensors)}")
-        llm.reset_prefix_cache()
 
     def execution_contract(self) -> dict[str, Any]:
         workers = self._attest()
@@ -194,7 +289,10 @@ class VLLMEngine(PauseNotSupported):
         """Shut down vLLM's engine core (and its processes) and remove temporary files; idempotent."""
         llm, self._llm = self._llm, None
         if llm is not None:
-            llm.llm_engine.engine_core.shutdown()
+            if self.supports_pause:
+                llm.shutdown()
+            else:
+                llm.llm_engine.engine_core.shutdown()
             del llm
             gc.collect()
             multiprocessing.active_children()  # reap the engine-core process vLLM just stopped
@@ -219,6 +317,16 @@ class VLLMEngine(PauseNotSupported):
 
     def _running(self) -> Any:
         return running(self._llm, asleep=self._asleep, engine="vllm")
+
+    def _pausable(self) -> Any:
+        if not self.supports_pause:
+            raise NotImplementedError(
+                "this vllm engine runs in-process (engine.options.multiprocess: false), on vLLM's offline LLM, "
+                "which cannot pause in-flight requests; the default multiprocess mode can"
+            )
+        if self._llm is None:
+            raise RuntimeError("this vllm engine is closed")
+        return self._llm
 
     def _attest(self) -> list[dict[str, Any]]:
         if self._llm is None:

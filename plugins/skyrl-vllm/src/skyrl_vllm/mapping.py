@@ -49,8 +49,21 @@ def stop_reason(finish_reason: str | None, request_id: str) -> str:
     raise RuntimeError(f"request {request_id!r} did not finish normally (vLLM finish_reason={finish_reason!r})")
 
 
-def to_samples(request: GenerationRequest, output: Any) -> list[GeneratedSample]:
-    """The ``n`` samples of one vLLM ``RequestOutput``, in sample-index order."""
+def token_versions(completion: Any, request_id: str) -> tuple[int, ...]:
+    """The policy version of each sampled token, from vLLM's per-token spans of weight-version labels
+    (``CompletionOutput.weight_versions``; the engine sets each label to a version number)."""
+    spans = completion.weight_versions or ()
+    versions = tuple(int(span.version) for span in spans for _ in range(span.start, span.end))
+    if len(versions) != len(completion.token_ids):
+        raise RuntimeError(
+            f"request {request_id!r}: vLLM labelled {len(versions)} of {len(completion.token_ids)} tokens with a weight version"
+        )
+    return versions
+
+
+def to_samples(request: GenerationRequest, output: Any, *, versioned: bool = False) -> list[GeneratedSample]:
+    """The ``n`` samples of one vLLM ``RequestOutput`` (anything with its ``outputs``), in
+    sample-index order; ``versioned``: with each token's policy version (``token_versions``)."""
     samples: list[GeneratedSample] = []
     for completion in sorted(output.outputs, key=lambda c: c.index):
         token_ids = tuple(int(t) for t in completion.token_ids)
@@ -66,6 +79,7 @@ def to_samples(request: GenerationRequest, output: Any) -> list[GeneratedSample]
                 logprobs=logprobs,
                 text=completion.text,
                 stop_reason=stop_reason(completion.finish_reason, request.request_id),
+                token_versions=token_versions(completion, request.request_id) if versioned else (),
             )
         )
     if is_greedy(request.sampling) and len(samples) == 1:

@@ -15,4 +15,10 @@ def problems(config: Any, options: Any) -> list[str]:
         # sampling in another dtype than the trainer scores in trains off-policy without saying so.
         return [f"engine.options.dtype: {dtype!r} contradicts model.dtype: {model_dtype!r}; leave engine.options.dtype "
                 f"out (it follows model.dtype), or set model.dtype: {dtype!r} for both engine and trainer"]
+    mode = config.trainer.mode
+    if mode != "sync" and getattr(options, "multiprocess", True) is False:
+        # In-process, the engine runs vLLM's offline LLM: one caller at a time, no pause.
+        return [f"engine.options.multiprocess: false cannot serve trainer.mode: {mode!r} (vLLM's offline engine in "
+                "this process neither pauses in-flight requests nor serves concurrent generate calls); leave "
+                "multiprocess at its default (true), or use trainer.mode: sync"]
     return []

@@ -24,6 +24,7 @@ class SkyrlWorkerExtension:
     """Mixed into vLLM's worker class; ``self`` is the worker (``self.model_runner``, ``self.vllm_config``)."""
 
     _skyrl_ledger: Any = None
+    _skyrl_loaded: str | None = None  # the file last loaded, or its digest (in-process tensors)
 
     def skyrl_load_weights(self, source: str | Iterable[tuple[str, torch.Tensor]]) -> int:
         """Load new weights in place, by Hugging Face name; return how many tensors were loaded.
@@ -43,7 +44,18 @@ class SkyrlWorkerExtension:
         model = self.model_runner.get_model()
         _reprocess_tied_lm_head(model)
         _prepack_cpu_moe_experts(model)
+        # A file stays until the next update (the engine keeps it): digested only when asked.
+        self._skyrl_loaded = source if isinstance(source, str) else _digest(named)
         return len(named)
+
+    def skyrl_loaded_weights_digest(self) -> str | None:
+        """``weights_digest`` of the tensors the last ``skyrl_load_weights`` loaded, as this worker
+        reads them (None before the first): checks that a weight sync arrived bit for bit."""
+        if self._skyrl_loaded is None or not os.path.isfile(self._skyrl_loaded):
+            return self._skyrl_loaded
+        from safetensors.torch import load_file
+
+        return _digest(load_file(self._skyrl_loaded).items())
 
     def skyrl_attest(self) -> dict[str, Any]:
         """What this worker runs: versions, dtype, the op ledger and plugins' contract contributions."""
@@ -82,6 +94,12 @@ class SkyrlWorkerExtension:
                 contributions[impl.plugin_name] = result
         attestation["plugins"] = contributions
         return _plain(attestation)
+
+
+def _digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    from skyrl_core.weight_sync import weights_digest
+
+    return weights_digest(named)
 
 
 def _reprocess_tied_lm_head(model: Any) -> None:
