@@ -11,19 +11,50 @@ scheduling between two steps and keeps every request, with its KV blocks, until
 (``update_weight_version``, changed here only while paused) and reports per-token spans of those
 labels on each finished completion (``CompletionOutput.weight_versions``): tokens from before the
 pause carry the old label, those after carry the new one, exactly.
+
+Requests ask for ``DELTA`` outputs (each step's new tokens only) and the driver puts each sample
+back together; how far each unfinished sample has got is ``in_flight()``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import threading
 from typing import Any, Sequence
 
-# Event-loop turns without engine output after which every output from before a pause has
-# reached the per-request consumers below (the output handler takes one turn per batch of outputs,
-# a consumer one more).
+# Event-loop turns with vLLM's client-side output queue empty after which every output from before
+# a pause has reached the per-request consumers below (vLLM's output handler takes a batch in one
+# turn and hands it to the requests' collectors; a consumer wakes one or two turns later).
 _SETTLE_TURNS = 8
+
+
+class _Sample:
+    """One sample put back together from vLLM's ``DELTA`` outputs (each: the tokens of a step or
+    a few, their logprobs and text; the last one also the finish reason and the weight-version
+    spans, which vLLM gives for the whole sample)."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.logprobs: list[Any] | None = None  # None: vLLM sent none
+        self.text: list[str] = []
+        self.last: Any = None
+
+    def add(self, delta: Any) -> None:
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(delta.logprobs)
+        self.text.append(delta.text)
+        self.last = delta
+
+    def completion(self, request_id: str) -> Any:
+        """The whole sample as one ``CompletionOutput`` (what CUMULATIVE's last output holds)."""
+        if self.last is None or not self.last.finished():
+            raise RuntimeError(f"request {request_id!r}: vLLM's outputs ended before the sample finished")
+        return dataclasses.replace(self.last, token_ids=self.token_ids, logprobs=self.logprobs, text="".join(self.text))
 
 
 class AsyncVLLM:
@@ -49,7 +80,14 @@ class AsyncVLLM:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         engine_args.setdefault("disable_log_stats", True)  # as vllm.LLM: no periodic stats logging
-        return AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args))
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args))
+        if not hasattr(getattr(engine.engine_core, "outputs_queue", None), "empty"):
+            engine.shutdown()
+            raise RuntimeError(
+                "this vLLM's AsyncLLM has no engine_core.outputs_queue, which skyrl's pause waits on "
+                "(skyrl_vllm.async_driver); use the vLLM version skyrl pins"
+            )
+        return engine
 
     # -- generation -------------------------------------------------------------------------------
 
@@ -64,26 +102,30 @@ class AsyncVLLM:
     async def _one(self, prompt: Any, params: Any, request_id: str) -> list[Any]:
         from vllm.sampling_params import RequestOutputKind
 
-        params.output_kind = RequestOutputKind.CUMULATIVE  # every step's progress, for in_flight()
+        # Each output carries only the tokens (logprobs, text) of its step; CUMULATIVE would re-send
+        # the whole sample so far every step, quadratic in its length. The samples are put back
+        # together here (``_Sample``), and their lengths are the progress ``in_flight()`` reports.
+        params.output_kind = RequestOutputKind.DELTA
         vllm_id = f"{request_id}#{next(self._ids)}"  # unique among requests in flight
         keys = [(vllm_id, index) for index in range(params.n)]
-        latest: dict[int, Any] = {}
+        samples: dict[int, _Sample] = {}
         with self._lock:
             self._progress.update({key: (request_id, 0) for key in keys})
         try:
             async for output in self.engine.generate(prompt, params, vllm_id):
                 with self._lock:
-                    for completion in output.outputs:
-                        latest[completion.index] = completion
-                        if completion.finished():
-                            self._progress.pop((vllm_id, completion.index), None)
+                    for delta in output.outputs:
+                        sample = samples.setdefault(delta.index, _Sample())
+                        sample.add(delta)
+                        if delta.finished():
+                            self._progress.pop((vllm_id, delta.index), None)
                         else:
-                            self._progress[(vllm_id, completion.index)] = (request_id, len(completion.token_ids))
+                            self._progress[(vllm_id, delta.index)] = (request_id, len(sample.token_ids))
         finally:
             with self._lock:
                 for key in keys:
                     self._progress.pop(key, None)
-        return [latest[index] for index in sorted(latest)]
+        return [samples[index].completion(request_id) for index in sorted(samples)]
 
     def in_flight(self) -> dict[tuple[str, int], int]:
         """Tokens received so far by each unfinished sample (admitted or waiting), by (request id, sample index)."""
@@ -97,12 +139,20 @@ class AsyncVLLM:
 
     async def _pause(self) -> None:
         await self.engine.pause_generation(mode="keep", clear_cache=False)
-        # The engine core sent every output of the steps before the pause ahead of the pause's own
-        # reply; let the output handler and the consumers take them, so in_flight() is final.
+        # What vLLM guarantees when that returns: in "keep" mode the engine core answers the pause
+        # only once its own output queue is empty, and its outputs and that answer travel on one
+        # socket, in order, so every output of the steps before the pause is in the client's
+        # ``engine_core.outputs_queue``. Nothing public says when AsyncLLM's output handler has
+        # passed them on to the requests' streams (vLLM's pause_generation itself only sleeps
+        # 20 ms for that, "not required for correctness"), and in_flight() must be final here:
+        # the engine contract compares it with the tokens stamped with the old version. So wait
+        # until that (private) queue has stayed empty for a few loop turns; ``_build`` checks it
+        # exists, so a vLLM that renames it fails at start, not here.
+        queue = self.engine.engine_core.outputs_queue
         quiet = 0
         while quiet < _SETTLE_TURNS:
             await asyncio.sleep(0)
-            quiet = quiet + 1 if self.engine.engine_core.outputs_queue.empty() else 0
+            quiet = quiet + 1 if queue.empty() else 0
 
     def resume(self) -> None:
         self._run(self.engine.resume_generation())
@@ -114,8 +164,10 @@ class AsyncVLLM:
     def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
         return self._run(self.engine.collective_rpc(method, args=args))
 
-    def reset_prefix_cache(self) -> bool:
-        return bool(self._run(self.engine.reset_prefix_cache()))
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Empty the prefix cache; ``reset_running_requests``: first preempt every running request
+        (its blocks freed, recomputed from its tokens when scheduled again)."""
+        return bool(self._run(self.engine.reset_prefix_cache(reset_running_requests)))
 
     def sleep(self, level: int) -> None:
         self._run(self.engine.sleep(level))
