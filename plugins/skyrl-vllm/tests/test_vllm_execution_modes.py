@@ -40,8 +40,10 @@ def local_ray(tmp_path, monkeypatch):
     ray.shutdown()
 
 
-def _train(tmp_path: Path, monkeypatch, mode: str, engine: dict) -> tuple[list[dict], list[torch.Tensor]]:
-    """Train 3 steps; return the step records and the ``token_versions`` of each trained batch."""
+def _train(tmp_path: Path, monkeypatch, mode: str, engine: dict, *, steps: int = 3, plugin_manager=None,
+           **sections: dict) -> tuple[list[dict], list[torch.Tensor]]:
+    """Train ``steps`` steps (``sections`` update the config's sections); return the step records
+    and the ``token_versions`` of each trained batch."""
     from skyrl_fsdp.backend import FSDPBackend
 
     from skyrl_core.testing.runs import train_config_dict
@@ -67,12 +69,14 @@ def _train(tmp_path: Path, monkeypatch, mode: str, engine: dict) -> tuple[list[d
         "data": {"train": str(REPO / "examples" / "data" / "arithmetic" / "train.jsonl"), "prompts_per_step": 4,
                  "eval": None},
         "generation": {"max_new_tokens": 24, "n_samples": 4},
-        "trainer": {"mode": mode, "steps": 3, "lr": 1e-2, "mini_batches": 1, "micro_batch_size": 16,
+        "trainer": {"mode": mode, "steps": steps, "lr": 1e-2, "mini_batches": 1, "micro_batch_size": 16,
                     "progress": False, "plot": False, "output_dir": str(tmp_path / "run"),
                     "fully_async": {"max_inflight": 16, "max_staleness": 1}},
     }
-    records = [r for r in train_config_dict(config, tmp_path) if r.get("step", 0) > 0]
-    assert [r["step"] for r in records] == [1, 2, 3] and len(trained) == 3
+    for section, values in sections.items():
+        config.setdefault(section, {}).update(values)
+    records = [r for r in train_config_dict(config, tmp_path, plugin_manager=plugin_manager) if r.get("step", 0) > 0]
+    assert [r["step"] for r in records] == list(range(1, steps + 1)) and len(trained) == steps
     assert all(r["loss"] == r["loss"] and r["grad_norm"] > 0 for r in records)  # it trained
     return records, trained
 
@@ -114,3 +118,48 @@ def test_fully_async_with_a_separate_vllm_process_spans_versions_and_syncs_weigh
         spans += sum(len(set(row[row >= 0].tolist())) >= 2 for row in versions)
     assert spans >= 1  # a sample was paused, its engine took new weights in place, and it continued
     assert max(r["async/versions_per_sample_max"] for r in records) >= 2
+
+
+def test_two_separate_vllm_replicas_synced_by_checkpoint_keep_episodes_on_their_replica(
+        tmp_path, monkeypatch, local_ray, fresh_plugin_manager):
+    from skyrl_core.data import write_jsonl
+    from skyrl_core.engine_router import EngineRouter, episode_key
+    from skyrl_core.weight_sync import weights_digest
+    from tests.rollout.envs import TestEnvironments, prompt_rows
+
+    fresh_plugin_manager.register_plugin(TestEnvironments(), "test-envs")
+    synced: list[tuple[str, list[str], list[str]]] = []  # (trainer's, replicas' before, replicas' after)
+    routed: list[tuple[str, int]] = []
+    update, route = EngineRouter.update_weights, EngineRouter.route
+
+    def checked_update(self, named_tensors, version=None):
+        tensors = [(n, t.detach().clone()) for n, t in named_tensors]
+        before = [r.weights_digest() for r in self.replicas]
+        update(self, tensors, version)
+        synced.append((weights_digest(tensors), before, [r.weights_digest() for r in self.replicas]))
+
+    def recorded_route(self, requests):
+        chosen = route(self, requests)
+        routed.extend((req.request_id, replica) for req, replica in zip(requests, chosen))
+        return chosen
+
+    monkeypatch.setattr(EngineRouter, "update_weights", checked_update)
+    monkeypatch.setattr(EngineRouter, "route", recorded_route)
+    train_rows = write_jsonl(prompt_rows(8, "counter_tool"), tmp_path / "counter.jsonl")
+    _train(tmp_path, monkeypatch, "sync", {"placement": "separate", "replicas": 2, "weight_sync": "checkpoint"},
+           steps=2, plugin_manager=fresh_plugin_manager, environment={"name": "counter_tool"},
+           data={"train": str(train_rows), "prompts_per_step": 2}, rollout={"max_turns": 2},
+           generation={"max_new_tokens": 8, "n_samples": 2})
+
+    # the start's sync and one after each step: both replicas hold the trainer's weights, bit for bit
+    assert len(synced) == 3 and all(after == [trainer] * 2 for trainer, _, after in synced)
+    # negative control: the replicas held other weights before each post-step sync (a replica that
+    # skipped the file would keep them, and differ)
+    assert all(before != [trainer] * 2 and before == [synced[i][0]] * 2
+               for i, (trainer, before, _) in enumerate(synced[1:]))
+    firsts = {rid: replica for rid, replica in routed if "/" not in rid}  # each group's first turn
+    later = [(rid, replica) for rid, replica in routed if "/" in rid]
+    for step in (1, 2):  # the step's two groups went to the two replicas
+        assert sorted(r for rid, r in firsts.items() if rid.startswith(f"{step}:")) == [0, 1], routed
+    assert len(later) == 2 * 2 * 2  # the second turn of every episode (2 steps x 2 groups x 2 samples)
+    assert all(replica == firsts[episode_key(rid)] for rid, replica in later), routed
