@@ -223,6 +223,18 @@ class EngineContract:
             assert a.token_ids == b.token_ids == c.token_ids
             assert max(abs(x - y) for x, y in zip(a.logprobs, c.logprobs)) <= self.logprob_atol
 
+    def test_same_seed_same_tokens_when_the_batch_exceeds_a_steps_token_budget(self, engine, prompts):
+        """Prompts summing to more tokens than one step takes (vLLM's budget: 2048-4096 tokens):
+        the engine must not split a prompt in a way that breaks a seed (vLLM-CPU's chunked
+        prefill rewinds a seeded generator, which CPU generators cannot do: the engine died)."""
+        long_prompt = [t for _ in range(40) for t in prompts[1]][:120]
+        target = request(prompts[0], "target", n=2, max_tokens=6, seed=11, temperature=1.0)
+        alone = engine.generate([target])[0]
+        crowd = [request(long_prompt, f"long-{i}", n=2, max_tokens=2, seed=200 + i) for i in range(20)]
+        out = engine.generate([*crowd[:10], target, *crowd[10:]])  # 40 samples of 120 prompt tokens
+        assert [s.token_ids for s in out[10]] == [s.token_ids for s in alone]
+        assert all(len(group) == 2 and all(s.token_ids for s in group) for group in out)
+
     def test_different_seeds_and_samples_differ(self, engine, prompts):
         out = engine.generate(
             [request(prompts[2], "a", seed=1, n=2, max_tokens=16), request(prompts[2], "b", seed=2, max_tokens=16)]

