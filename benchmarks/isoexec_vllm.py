@@ -20,11 +20,26 @@ The last lines are the ratios of time per token: ``op-path-on / stock`` (target 
 its ops ran canonically.
 
     python benchmarks/isoexec_vllm.py [--repeats 3] [--threads 2] [--batch 64] [--dtype float32]
+
+"No slower than before" across a refactor: ``--against-tree DIR`` (a checkout of an older commit,
+e.g. ``git worktree add /tmp/before <commit>``) runs this benchmark's engines in child processes,
+``--rounds`` times alternating between DIR's code and this tree's (each child imports its tree's
+packages through ``PYTHONPATH`` and runs that tree's ``benchmarks/isoexec_vllm.py --repeats 1``), and
+prints IsoExec's and vLLM-through-the-bootstrap (``op-path-off``) tokens/s per tree and the ratios
+of IsoExec's time per token, this tree / DIR's, raw and normalised by each child's own
+``op-path-off`` (which both trees have), so the machine's drift between children cancels.
+
+    python benchmarks/isoexec_vllm.py --against-tree /tmp/before --rounds 3
 """
 
 from __future__ import annotations
 
 import os
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
 
 from _common import arithmetic_prompts, bind_vllm_threads, rollout_parser, time_alternately
 
@@ -60,10 +75,81 @@ class StockVLLM:
         self._dir.cleanup()
 
 
+# Put first on a child's PYTHONPATH: drops the editable installs' import hooks (they point at the
+# checkout pip installed, and serve namespace sub-packages from it even when PYTHONPATH wins for
+# regular ones), so every skyrl module comes from the child's tree, in vLLM's processes too.
+_NO_EDITABLE_HOOKS = """import sys
+sys.meta_path[:] = [f for f in sys.meta_path if "__editable__" not in getattr(f, "__module__", type(f).__module__)]
+sys.path_hooks[:] = [h for h in sys.path_hooks if "__editable__" not in getattr(h, "__module__", "")]
+sys.path[:] = [p for p in sys.path if not p.startswith("__editable__")]
+sys.path_importer_cache.clear()
+"""
+
+
+def tree_pythonpath(tree: Path, hooks_dir: Path) -> str:
+    """``hooks_dir`` (its sitecustomize drops the editable hooks), the core at the tree's root and each
+    plugin's ``src``."""
+    (hooks_dir / "sitecustomize.py").write_text(_NO_EDITABLE_HOOKS)
+    roots = [hooks_dir, tree, *sorted(p for p in (tree / "plugins").glob("skyrl-*/src") if p.is_dir())]
+    return os.pathsep.join(str(r) for r in roots)
+
+
+def run_tree_child(tree: Path, args) -> dict[str, float]:
+    """One ``--repeats 1`` run of ``tree``'s own benchmark with ``tree``'s packages; tokens/s by engine."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="skyrl-tree-hooks-") as hooks_dir:
+        env = dict(os.environ, PYTHONPATH=tree_pythonpath(tree, Path(hooks_dir)))
+        done = _run_child(tree, args, env)
+    rates = {m.group(1): float(m.group(2)) for m in re.finditer(r"^  (\S+)\s+([0-9.]+) tok/s$", done.stdout, re.M)}
+    for name in ("isoexec", "op-path-off"):
+        if name not in rates:
+            raise SystemExit(f"{tree}: no '{name}' rate in the child's output:\n{done.stdout[-3000:]}")
+    return rates
+
+
+def _run_child(tree: Path, args, env: dict[str, str]) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(tree / "benchmarks" / "isoexec_vllm.py"), "--repeats", "1", "--threads", str(args.threads),
+           "--batch", str(args.batch), "--max-new-tokens", str(args.max_new_tokens), "--dtype", args.dtype]
+    done = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        errors = [line for line in done.stderr.splitlines() if "Error" in line][-5:]
+        raise SystemExit(f"{tree}: benchmark child failed ({done.returncode}):\n" + "\n".join(errors))
+    return done
+
+
+def compare_trees(args) -> None:
+    """IsoExec in vLLM, an older tree against this one, alternating child runs (see the module doc)."""
+    trees = {"before": Path(args.against_tree).resolve(), "this tree": Path(__file__).resolve().parent.parent}
+    for name, tree in trees.items():
+        head = subprocess.run(["git", "-C", str(tree), "log", "-1", "--format=%h %s"], capture_output=True, text=True)
+        print(f"{name:9s}: {tree} at {head.stdout.strip()[:100]}", flush=True)
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
+    for round_ in range(args.rounds):
+        for name, tree in trees.items():
+            rates = run_tree_child(tree, args)
+            runs[name].append(rates)
+            print(f"round {round_ + 1} {name:9s}: isoexec {rates['isoexec']:6.1f} tok/s, "
+                  f"op-path-off {rates['op-path-off']:6.1f} tok/s, isoexec/op-path-off time per token "
+                  f"{rates['op-path-off'] / rates['isoexec']:.3f}", flush=True)
+    iso = {n: statistics.median(r["isoexec"] for r in runs[n]) for n in trees}
+    rel = {n: statistics.median(r["op-path-off"] / r["isoexec"] for r in runs[n]) for n in trees}
+    print(f"SmolLM2-135M {args.dtype}, batch {args.batch}, {args.max_new_tokens} new tokens, {args.threads} threads, "
+          f"median of {args.rounds} rounds:")
+    for n in trees:
+        print(f"  {n:9s} isoexec {iso[n]:6.1f} tok/s; isoexec / op-path-off time per token {rel[n]:.3f}")
+    print(f"isoexec time per token, this tree / before: raw {iso['before'] / iso['this tree']:.3f}, "
+          f"normalised by op-path-off {rel['this tree'] / rel['before']:.3f} (target <= 1.0: no slower than before)")
+
+
 def main() -> None:
     parser = rollout_parser(__doc__.split("\n")[0])
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--against-tree", help="an older checkout: compare IsoExec's speed in it and in this tree")
+    parser.add_argument("--rounds", type=int, default=3, help="with --against-tree: child runs per tree, alternating")
     args = parser.parse_args()
+    if args.against_tree:
+        return compare_trees(args)
     bind_vllm_threads(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
