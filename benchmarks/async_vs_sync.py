@@ -18,9 +18,10 @@ how generation and training wait for each other:
 Where generation runs: ``colocated`` (in the trainer's process) or ``@separate`` (a mode written
 ``fully_async@separate``: the engine is a Ray actor process of its own, weights by gloo broadcast).
 Threads: the trainer uses ``--threads``; a sync run's generation the same (nothing runs beside it);
-generation beside training (the async modes) uses ``--async-generation-threads`` (engine option
-``threads``), so that the two do not oversubscribe the cores (two OpenMP teams of all the cores
-each, time-sliced, wait at every barrier for a thread that is not running). ``--sync-generation-threads``
+generation beside training (the async modes) uses ``--async-generation-threads`` while the trainer
+computes (engine option ``threads_beside_training``: two OpenMP teams of all the cores each,
+time-sliced, wait at every barrier for a thread that is not running) and ``--threads`` while it
+waits; a separate engine uses ``--async-generation-threads`` all the time. ``--sync-generation-threads``
 runs sync's generation at another count (a control for what the thread count alone changes).
 
 Each mode's throughput: trained samples over the summed step times (model loading excluded; step 1
@@ -153,8 +154,10 @@ def _config(workdir: str, spec: str, args: argparse.Namespace) -> dict[str, Any]
     write_jsonl(rows, os.path.join(workdir, "train.jsonl"))
     per_step = args.prompts * args.samples
     engine: dict[str, Any] = {"name": "torch", "placement": placement}
-    if mode != "sync" or placement == "separate":  # generation beside training: its own threads
+    if placement == "separate":  # its own process: its own threads, all the time
         engine["options"] = {"threads": args.async_generation_threads}
+    elif mode != "sync":  # beside training while the trainer computes, all the cores while it waits
+        engine["options"] = {"threads_beside_training": args.async_generation_threads}
     elif args.sync_generation_threads is not None:  # (a control: sync's generation at another count)
         engine["options"] = {"threads": args.sync_generation_threads}
     return {
@@ -347,7 +350,7 @@ def main() -> None:
           f"<= {args.max_new_tokens} tokens), tool latency log-normal median {args.latency_median_s} s sigma "
           f"{args.latency_sigma} capped at {args.latency_cap_s} s; fully_async max_inflight "
           f"{args.inflight_steps * per_step}, max_staleness {args.max_staleness}; threads: trainer {args.threads}, "
-          f"sync generation {args.sync_generation_threads or args.threads}, generation beside training {args.async_generation_threads}", flush=True)
+          f"sync generation {args.sync_generation_threads or args.threads}, generation beside training {args.async_generation_threads} while the trainer computes ({args.threads} while it waits), separate engine {args.async_generation_threads}", flush=True)
     results: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     for round_ in range(args.rounds):
         for mode in modes:

@@ -30,6 +30,7 @@ from skyrl_core.algorithms.advantages import zero_variance_group_mask
 from skyrl_core.algorithms.off_policy import off_policy_correction
 from skyrl_core.algorithms.precedence import effective_loss_reduction
 from skyrl_core.algorithms.reductions import reduction_weights
+from skyrl_core.compute_share import set_trainer_computing
 from skyrl_core.config.errors import ConfigError, ConfigIssue
 from skyrl_core.config.loader import unstructure
 from skyrl_core.config.schema import Config, OffPolicyConfig
@@ -123,6 +124,7 @@ def train(cfg: Config, *, plugin_manager: SkyrlPluginManager | None = None) -> R
         # An error names the step and phase it stopped (after the runtimes below are closed).
         activity = RunActivity(os.path.join(run_dir, METRICS_FILE), passes_through=(NonFiniteTrainingError,))
         closing.push(activity.on_exit)
+        closing.callback(set_trainer_computing, False)
         # Plugins adopt the run's config first: IsoExec must be on before runtimes install their ops.
         pm.hook.skyrl_on_run_start(config=cfg, run_dir=run_dir)
         # engine.placement=separate: a Ray placement group for the trainer ranks and the engine processes
@@ -202,10 +204,12 @@ def train(cfg: Config, *, plugin_manager: SkyrlPluginManager | None = None) -> R
             started = time.perf_counter()
 
             activity.now(step, "generating rollouts")
+            set_trainer_computing(False)
             # 1. rollouts: n episodes per prompt, rewards from the environments (dynamic sampling may
             #    drop groups without signal, and roll out more prompts to refill the step)
             trajectories, samples, sampling_metrics = rollouts.collect(step)
             timings["time/rollout"] = time.perf_counter() - started
+            set_trainer_computing(True)  # (generation beside it, in the async modes, takes fewer threads)
             metrics: dict[str, Any] = {"step": step, **_rollout_metrics(trajectories), **sampling_metrics}
 
             if samples:
@@ -287,6 +291,7 @@ def train(cfg: Config, *, plugin_manager: SkyrlPluginManager | None = None) -> R
                 release_freed_memory()  # training's freed blocks go back before the weights are copied
                 # 5. contract handshake, then weight sync to the engine
                 t = time.perf_counter()
+                set_trainer_computing(False)  # a sync may first wait for the generation beside it
                 handshake(pm, backend, engine)
                 rollouts.sync_weights(step, backend.export_weights)
                 timings["time/weight_sync"] = time.perf_counter() - t

@@ -233,11 +233,57 @@ def test_any_causal_lm_runs_through_transformers_modules():
 # --- errors -------------------------------------------------------------------------------------------
 
 
+def test_threads_beside_training_follow_the_trainer_step_by_step():
+    """``threads_beside_training`` holds for the decode steps taken while the trainer says it
+    computes, and ``threads`` (else the caller's count) for the others, switching mid-generation."""
+    from skyrl_core.compute_share import set_trainer_computing, trainer_computing
+
+    torch.set_num_threads(2)  # the autouse fixture restores the previous setting
+    runs: dict[str, list[tuple[bool, int]]] = {}
+    for name, options in (("beside=1", {"threads_beside_training": 1}), ("beside=1 threads=2", {"threads_beside_training": 1, "threads": 2}),
+                          ("unset", {})):
+        eng = engine(**options)
+        original, seen = eng._iterate, runs.setdefault(name, [])
+
+        def recording(*args, _seen=seen, _original=original, **kwargs):
+            _seen.append((trainer_computing(), torch.get_num_threads()))  # as the step was sized
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                set_trainer_computing(len(_seen) % 3 == 1)  # the trainer starts and stops between steps
+
+        eng._iterate = recording
+        set_trainer_computing(False)
+        try:
+            eng.generate([request(prompt(5), "a", max_tokens=8)])
+        finally:
+            set_trainer_computing(False)
+        assert torch.get_num_threads() == 2  # the caller's, back
+    for name in ("beside=1", "beside=1 threads=2"):
+        assert {t for computing, t in runs[name] if computing} == {1}
+        assert {t for computing, t in runs[name] if not computing} == {2}
+    assert {t for _, t in runs["unset"]} == {2}  # negative control: without the option the trainer is not asked
+    assert any(computing for computing, _ in runs["unset"])
+
+
+def test_threads_beside_training_is_refused_for_an_engine_in_its_own_process():
+    from types import SimpleNamespace
+
+    from skyrl_torch.preflight import problems
+
+    config = SimpleNamespace(engine=SimpleNamespace(placement="separate"))
+    (problem,) = problems(config, TorchEngineOptions(threads_beside_training=1))
+    assert "engine.options.threads_beside_training: 1 needs engine.placement: colocated" in problem and "'separate'" in problem
+    assert problems(config, TorchEngineOptions(threads=1)) == []
+    assert problems(SimpleNamespace(engine=SimpleNamespace(placement="colocated")), TorchEngineOptions(threads_beside_training=1)) == []
+
+
 @pytest.mark.parametrize(
     "field, value, message",
     [("max_num_seqs", 0, "max_num_seqs must be an integer >= 1"), ("implementation", "fast", "implementation must be one of"),
      ("attention", "flash", "attention must be one of"), ("max_model_len", -1, "max_model_len must be"),
-     ("prepack_weights", "yes", "prepack_weights must be true or false"), ("threads", 0, "threads must be")],
+     ("prepack_weights", "yes", "prepack_weights must be true or false"), ("threads", 0, "threads must be"),
+     ("threads_beside_training", 0, "threads_beside_training must be")],
 )
 def test_options_are_validated(field, value, message):
     with pytest.raises(ValueError, match=message):

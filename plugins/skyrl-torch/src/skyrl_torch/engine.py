@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 import attrs
 import torch
 
+from skyrl_core.compute_share import trainer_computing
 from skyrl_core.heap import keep_freed_memory, release_freed_memory
 from skyrl_core.models import load_causal_lm, load_tokenizer
 from skyrl_core.ops import prepare_model, site_scope, token_logprobs
@@ -257,8 +258,10 @@ class TorchEngine:
         stopping at token boundaries while a pause is requested; then hand over."""
         # (per thread with OpenMP: another thread's setting, the trainer's, is left alone)
         caller_threads = torch.get_num_threads()
-        if self.options.threads is not None:
-            torch.set_num_threads(self.options.threads)
+        own_threads = self.options.threads if self.options.threads is not None else caller_threads
+        beside_training = self.options.threads_beside_training
+        if own_threads != caller_threads:
+            torch.set_num_threads(own_threads)
         try:
             with torch.inference_mode():
                 while True:
@@ -271,6 +274,10 @@ class TorchEngine:
                         if not ticket.remaining:
                             return
                         admitted = self._admit()
+                    if beside_training is not None:  # per step: the trainer may have started or stopped
+                        threads = beside_training if trainer_computing() else own_threads
+                        if torch.get_num_threads() != threads:
+                            torch.set_num_threads(threads)
                     self._iterate(admitted)
         except BaseException as exc:  # every sample in flight is lost with the cache's state
             with self._lock:

@@ -80,3 +80,12 @@ class TorchEngineOptions:
             "oversubscription; default: the calling thread's (torch.get_num_threads())"
         },
     )
+    threads_beside_training: int | None = attrs.field(
+        default=None,
+        validator=optional_positive_int,
+        metadata={
+            "help": "CPU intra-op threads of generation while this process's trainer computes (trainer.mode "
+            "one_step_off / fully_async with engine.placement: colocated), chosen again at every decode step; "
+            "while the trainer waits, generation takes `threads` (or the caller's); null: always `threads`"
+        },
+    )

@@ -13,6 +13,7 @@ def skyrl_register_inference_engines(register) -> None:
             name="torch",
             factory="skyrl_torch.engine:TorchEngine",
             options="skyrl_torch.options:TorchEngineOptions",
+            preflight="skyrl_torch.preflight:problems",
             description="native PyTorch engine: any Hugging Face causal LM, KV-cache slots, continuous batching",
         )
     )
