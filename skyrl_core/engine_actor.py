@@ -45,7 +45,8 @@ class EngineActor:
         import ray
 
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
-                "supports_pause": bool(getattr(self.engine, "supports_pause", False))}
+                "supports_pause": bool(getattr(self.engine, "supports_pause", False)),
+                "supports_kv_recompute": bool(getattr(self.engine, "supports_kv_recompute", False))}
 
     def execution_contract(self) -> dict[str, Any]:
         return self.engine.execution_contract()
@@ -64,6 +65,9 @@ class EngineActor:
 
     def resume(self) -> None:
         self.engine.resume()
+
+    def recompute_kv(self) -> None:
+        self.engine.recompute_kv()
 
     def update_from_checkpoint(self, path: str, version: int | None) -> None:
         self._update(weight_sync.read_checkpoint(path), version)
@@ -129,6 +133,7 @@ class RemoteEngine:
         self.pid = None
         info = self._wait(self.actor.describe.remote(), "start")
         self.pid, self.node_id, self.supports_pause = info["pid"], info["node_id"], info["supports_pause"]
+        self.supports_kv_recompute = info["supports_kv_recompute"]
 
     # -- InferenceEngine calls -------------------------------------------------------------------
 
@@ -140,6 +145,9 @@ class RemoteEngine:
 
     def resume(self) -> None:
         self._call("resume")
+
+    def recompute_kv(self) -> None:
+        self._call("recompute_kv")
 
     def execution_contract(self) -> dict[str, Any]:
         return self._call("execution_contract")

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 
 class PauseNotSupported:
-    """Mixin: ``supports_pause = False`` and ``pause``/``resume`` raising ``NotImplementedError``."""
+    """Mixin: ``supports_pause = False`` and ``pause``/``resume``/``recompute_kv`` raising ``NotImplementedError``."""
 
     supports_pause = False
+    supports_kv_recompute = False
 
     def pause(self) -> None:
         raise NotImplementedError(
@@ -17,4 +18,7 @@ class PauseNotSupported:
         )
 
     def resume(self) -> None:
+        self.pause()
+
+    def recompute_kv(self) -> None:
         self.pause()

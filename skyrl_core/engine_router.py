@@ -33,6 +33,7 @@ class EngineRouter:
         self.replicas = list(replicas)
         self.method, self.checkpoint_dir = method, checkpoint_dir
         self.supports_pause = all(r.supports_pause for r in self.replicas)
+        self.supports_kv_recompute = all(getattr(r, "supports_kv_recompute", False) for r in self.replicas)
         self.load = [0] * len(self.replicas)  # samples in flight per replica
         self._affinity: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._lock = threading.Lock()
@@ -92,6 +93,9 @@ class EngineRouter:
 
     def resume(self) -> None:
         self._each("resume")
+
+    def recompute_kv(self) -> None:
+        self._each("recompute_kv")
 
     def execution_contract(self) -> dict[str, Any]:
         """The first replica's (the handshake checks each replica's own: ``replicas``; their op-call

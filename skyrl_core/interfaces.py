@@ -21,8 +21,9 @@ class InferenceEngine(Protocol):
     """Generates samples from token ids. Built by an ``InferenceEngineSpec`` factory.
 
     Optional class attributes say what the engine supports (absent: False): ``supports_pause``
-    (``pause``/``resume``, concurrent ``generate`` calls, ``update_weights(..., version=)``) and
-    ``supports_separate_process`` (built inside a Ray actor for ``engine.placement: separate``).
+    (``pause``/``resume``, concurrent ``generate`` calls, ``update_weights(..., version=)``),
+    ``supports_kv_recompute`` (``recompute_kv``) and ``supports_separate_process`` (built inside a
+    Ray actor for ``engine.placement: separate``).
     """
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[list[GeneratedSample]]:
@@ -46,6 +47,12 @@ class InferenceEngine(Protocol):
 
     def resume(self) -> None:
         """Continue the samples ``pause`` stopped."""
+
+    def recompute_kv(self) -> None:
+        """(``supports_kv_recompute``; call while paused, after ``update_weights``.) Drop the keys/values
+        of every in-flight sample and every cached prefix: before its next token each sample computes
+        them again from its tokens so far (prompt + chosen) under the weights loaded then, so every
+        later token is sampled by exactly the loaded policy over its whole context."""
 
     def execution_contract(self) -> dict[str, Any]:
         """What this engine installed at each op site (see ``skyrl_core.ops``), JSON-able."""

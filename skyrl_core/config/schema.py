@@ -311,6 +311,13 @@ class FullyAsyncConfig:
         default="drop", validator=_one_of("drop", "regenerate"),
         metadata=_help("a group over max_staleness: drop it, or drop it and generate its prompt again (counted in async/dropped)"),
     )
+    kv_on_update: str = attrs.field(
+        default="recompute", validator=_one_of("recompute", "keep"),
+        metadata=_help("at each in-flight weight update, recompute: every paused sample's KV cache (and every cached "
+                       "prefix) is dropped and recomputed from its tokens under the new weights, so each token is "
+                       "sampled by exactly the policy version it carries; keep: paused samples keep the old "
+                       "weights' keys/values (cheaper, but later tokens see them; docs/training.md)"),
+    )
 
 
 @attrs.frozen(kw_only=True)

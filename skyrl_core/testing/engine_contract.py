@@ -33,6 +33,10 @@ loads weights another way). The suite checks:
   count before the switch equal to what the bookkeeping showed at the pause); after ``resume`` the
   same requests finish with no token lost or duplicated (equal to an uninterrupted run when the
   weights are the same). Engines without it refuse ``pause`` with ``NotImplementedError``;
+- ``recompute_kv`` (engines with ``supports_kv_recompute``), called while paused after the update:
+  the tokens after the switch have the logprobs of a full forward of the new weights over their
+  whole context (the recomputed keys/values), where without it (negative control) they do not;
+  with the same weights, the same tokens as an uninterrupted run, none lost or duplicated;
 - ``sleep``/``wake`` keep generation working and unchanged; ``close`` is idempotent;
 - ``execution_contract()`` is JSON-able and names the engine's op sites.
 """
@@ -357,17 +361,21 @@ class EngineContract:
 
     # --- pause / resume with in-flight weight updates --------------------------------------------
 
-    def test_pause_resume_loses_and_duplicates_no_token(self, engine, reference_model, prompts):
+    @pytest.mark.parametrize("kv_on_update", ["keep", "recompute"])
+    def test_pause_resume_loses_and_duplicates_no_token(self, engine, reference_model, prompts, kv_on_update):
         if not getattr(engine, "supports_pause", False):
             with pytest.raises(NotImplementedError, match="pause"):
                 engine.pause()
             return
+        recompute = kv_on_update == "recompute"
+        if recompute and not getattr(engine, "supports_kv_recompute", False):
+            return  # (trainer.fully_async.kv_on_update=recompute is refused with such an engine)
         # 6 samples: more than a small engine's slots, so some wait (unadmitted) through the pause
         reqs = [request(p, f"p{i}", n=2, max_tokens=40, seed=20 + i) for i, p in enumerate(prompts[:3])]
         expected = engine.generate(reqs)
         original = {name: p.detach().clone() for name, p in reference_model.named_parameters()}
         version = engine.policy_version
-        counts_at_pause = self._generate_with_a_pause(engine, reqs, original.items(), version + 1)
+        counts_at_pause = self._generate_with_a_pause(engine, reqs, original.items(), version + 1, recompute=recompute)
         got, at_pause = counts_at_pause
         for req, want, have in zip(reqs, expected, got):
             for s_want, s_have in zip(want, have):
@@ -380,9 +388,13 @@ class EngineContract:
                 assert old == at_pause.get((req.request_id, s_have.sample_index), len(s_have.token_ids))
         assert any(0 < n < 40 for n in at_pause.values()), at_pause  # the pause really was mid-stream
 
-    def test_weights_loaded_while_paused_apply_from_the_next_token(self, engine, reference_model, prompts):
+    @pytest.mark.parametrize("kv_on_update", ["keep", "recompute"])
+    def test_weights_loaded_while_paused_apply_from_the_next_token(self, engine, reference_model, prompts, kv_on_update):
         if not getattr(engine, "supports_pause", False):
             return  # (refusal checked above)
+        recompute = kv_on_update == "recompute"
+        if recompute and not getattr(engine, "supports_kv_recompute", False):
+            return
         original = {name: p.detach().clone() for name, p in reference_model.named_parameters()}
         gen = torch.Generator().manual_seed(99)
         perturbed = {name: p + 0.3 * torch.randn(p.shape, generator=gen) for name, p in original.items()}
@@ -390,7 +402,7 @@ class EngineContract:
         expected = engine.generate(reqs)[0][0]
         version = engine.policy_version
         try:
-            (got,), at_pause = self._generate_with_a_pause(engine, reqs, perturbed.items(), version + 7)
+            (got,), at_pause = self._generate_with_a_pause(engine, reqs, perturbed.items(), version + 7, recompute=recompute)
         finally:
             engine.update_weights(original.items(), version=version)
         s = got[0]
@@ -398,12 +410,29 @@ class EngineContract:
         assert list(s.token_versions) == [version] * switched + [version + 7] * (len(s.token_ids) - switched)
         assert list(s.token_ids[:switched]) == list(expected.token_ids[:switched])
         assert list(s.token_ids) != list(expected.token_ids)  # the later tokens follow the new weights
+        # Each token's logprob against a full forward of the policy its version names, over the whole
+        # context: after the switch that holds only when the context's keys/values were recomputed
+        # under the new weights (keep: they are the old weights', a measurably different distribution).
+        new_model = copy.deepcopy(reference_model)
+        new_model.load_state_dict(perturbed, strict=False)
+        got_logprobs = torch.tensor(s.logprobs, dtype=torch.float32)
+        old_error = (got_logprobs - full_forward_logprobs(reference_model, prompts[0], s.token_ids))[:switched].abs()
+        new_error = (got_logprobs - full_forward_logprobs(new_model, prompts[0], s.token_ids))[switched:].abs()
+        assert old_error.max() <= self.logprob_atol and new_error.numel() > 0
+        if recompute:
+            # The first token after the switch comes straight from the recomputed context. The later
+            # ones decode on: with these 3x larger weights a hybrid's recurrent decode drifts from
+            # the chunked full forward to ~4e-5 (keep is off by nats).
+            assert new_error[0] <= self.logprob_atol, f"first token after the switch: {new_error[0]:.3g}"
+            assert new_error.max() <= 10 * self.logprob_atol, f"max |engine - new policy| = {new_error.max():.3g}"
+        else:
+            assert new_error.max() > 1e-1
 
     @staticmethod
-    def _generate_with_a_pause(engine, reqs, weights, version):
+    def _generate_with_a_pause(engine, reqs, weights, version, *, recompute=False):
         """Generate ``reqs`` in a thread; pause once some sample has a few tokens, check that nothing
-        moves while paused, load ``weights`` as ``version``, resume. Returns the output and the
-        token count of each (request id, sample index) at the pause."""
+        moves while paused, load ``weights`` as ``version`` (then ``recompute_kv``), resume. Returns
+        the output and the token count of each (request id, sample index) at the pause."""
         result: dict[str, Any] = {}
         thread = threading.Thread(target=lambda: result.update(out=engine.generate(reqs)))
         thread.start()
@@ -416,6 +445,9 @@ class EngineContract:
         time.sleep(0.05)
         assert engine.in_flight() == at_pause  # nothing moves while paused
         engine.update_weights(weights, version=version)
+        if recompute:
+            engine.recompute_kv()
+            assert engine.in_flight() == at_pause  # (recomputed at the resume: nothing moves yet)
         engine.resume()
         thread.join(timeout=120)
         assert not thread.is_alive()

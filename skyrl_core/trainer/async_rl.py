@@ -9,8 +9,10 @@
   it; a group starts under policy v only while at most (v + max_staleness + 1) x prompts_per_step
   groups were started (less those dropped), so generation does not run so far ahead that its groups
   arrive stale. After each optimizer step the engine is paused at a token boundary, takes the new weights in
-  place and resumes the same requests, so one trajectory may span several policy versions. Groups
-  whose oldest token is more than ``max_staleness`` versions behind the trained policy are dropped
+  place and resumes the same requests, so one trajectory may span several policy versions
+  (``kv_on_update: recompute``, the default: the paused samples' keys/values are recomputed under the
+  new weights, so each token is sampled by exactly the version it carries; ``keep``: they stay the
+  old weights'). Groups whose oldest token is more than ``max_staleness`` versions behind the trained policy are dropped
   or regenerated (``on_stale``), and counted.
 
 The RL loop (``skyrl_core.trainer.rl``) is the same for every mode: it asks its ``RolloutSource``
@@ -145,11 +147,12 @@ class FullyAsyncRollouts(SyncRollouts):
     def __init__(
         self, engine: InferenceEngine, generator: RolloutGenerator, sampler: PromptSampler, sampling: Sampling, *,
         seed: int, stepwise: bool,
-        prompts_per_step: int, max_inflight: int, max_staleness: int, on_stale: str,
+        prompts_per_step: int, max_inflight: int, max_staleness: int, on_stale: str, kv_on_update: str = "recompute",
     ) -> None:
         super().__init__(lambda step: ([], [], {}), engine, generator, sampler)
         self.sampling, self.seed, self.stepwise = sampling, seed, stepwise
         self.prompts_per_step, self.max_staleness, self.on_stale = prompts_per_step, max_staleness, on_stale
+        self.kv_on_update = kv_on_update
         self._lock = threading.Condition()
         self._buffer: collections.deque[tuple[dict[str, Any], list[Trajectory]]] = collections.deque()
         self._redo: collections.deque[dict[str, Any]] = collections.deque()  # stale rows to regenerate
@@ -232,10 +235,13 @@ class FullyAsyncRollouts(SyncRollouts):
         }
 
     def sync_weights(self, step: int, export: ExportWeights) -> None:
-        """Pause at a token boundary, load the new policy in place, resume the same requests."""
+        """Pause at a token boundary, load the new policy in place (recomputing the paused samples'
+        keys/values under it, with ``kv_on_update: recompute``), resume the same requests."""
         self.engine.pause()
         try:
             load_policy(self.engine, self.generator, export(), step)
+            if self.kv_on_update == "recompute":
+                self.engine.recompute_kv()
         finally:
             self.engine.resume()
         with self._lock:  # a newer policy admits more groups
@@ -272,7 +278,7 @@ def make_rollout_source(cfg: Config, *, collect_step: CollectStep, engine: Infer
     return FullyAsyncRollouts(
         engine, generator, sampler, sampling, seed=cfg.trainer.seed, stepwise=cfg.rollout.stepwise,
         prompts_per_step=cfg.data.prompts_per_step, max_inflight=fa.max_inflight, max_staleness=fa.max_staleness,
-        on_stale=fa.on_stale,
+        on_stale=fa.on_stale, kv_on_update=fa.kv_on_update,
     )
 
 
@@ -293,4 +299,11 @@ def check_mode(cfg: Config, plugin_manager: SkyrlPluginManager) -> None:
         raise ValueError(
             f"trainer.mode={mode!r} needs an engine that pauses in-flight requests and serves concurrent "
             f"generate calls; engine {cfg.engine.name!r} cannot (engines 'torch' and 'vllm' can); use trainer.mode=sync"
+        )
+    kv_on_update = cfg.trainer.fully_async.kv_on_update
+    if mode == "fully_async" and kv_on_update == "recompute" and not getattr(engine_class, "supports_kv_recompute", False):
+        raise ValueError(
+            f"trainer.fully_async.kv_on_update={kv_on_update!r} needs an engine that recomputes the keys/values of "
+            f"paused samples after a weight update; engine {cfg.engine.name!r} cannot (engines 'torch' and 'vllm' "
+            "can); set trainer.fully_async.kv_on_update=keep"
         )

@@ -60,3 +60,35 @@ def test_an_in_process_vllm_engine_is_refused_in_the_async_modes(mode):
     assert problems(_load("sync", engine={"name": "vllm", "options": {"multiprocess": False}}), cfg.engine.options) == []
     default = _load(mode, engine={"name": "vllm"})
     assert problems(default, default.engine.options) == []
+
+
+class PausesButKeepsKV:
+    """An engine class that pauses and serves concurrent calls but cannot recompute the keys/values
+    of paused samples (``supports_kv_recompute`` absent)."""
+
+    supports_pause = True
+
+
+def test_kv_on_update_is_checked_and_recompute_needs_an_engine_that_does_it(fresh_plugin_manager):
+    from skyrl_core.plugins import hookimpl
+    from skyrl_core.plugins.records import InferenceEngineSpec
+
+    assert _load("fully_async").trainer.fully_async.kv_on_update == "recompute"  # the default
+    with pytest.raises(ConfigError, match=r"trainer\.fully_async\.kv_on_update.*'drop'"):
+        structure_config({**TINY, "trainer": {"mode": "fully_async", "fully_async": {"kv_on_update": "drop"}}})
+
+    class Plugin:
+        @hookimpl
+        def skyrl_register_inference_engines(self, register):
+            register(InferenceEngineSpec(name="keeps_kv", factory=f"{__name__}:PausesButKeepsKV"))
+
+    pm = fresh_plugin_manager
+    pm.register_plugin(Plugin(), "keeps-kv")
+    for engine in ({"name": "torch"}, {"name": "vllm"}):
+        check_mode(_load("fully_async", engine=engine), pm)
+    with pytest.raises(ValueError, match=r"trainer\.fully_async\.kv_on_update='recompute' needs an engine .* "
+                                         r"engine 'keeps_kv' cannot .*fully_async\.kv_on_update=keep"):
+        check_mode(_load("fully_async", engine={"name": "keeps_kv"}), pm)
+    keep = {"mode": "fully_async", "fully_async": {"kv_on_update": "keep"}}
+    check_mode(_load("fully_async", engine={"name": "keeps_kv"}, trainer=keep), pm)
+    check_mode(_load("one_step_off", engine={"name": "keeps_kv"}), pm)  # (nothing is in flight at its updates)

@@ -13,6 +13,10 @@ How a ``generate`` call runs:
 - The logprob of each chosen token is the raw model distribution's (no temperature, no filter),
   computed by ``skyrl_core.ops.token_logprobs`` inside the ``engine_prefill`` / ``engine_decode``
   op sites.
+- ``pause`` parks the driver between two decode steps; ``update_weights`` copies the new weights in
+  place; ``recompute_kv`` then has the driver prefill every admitted sample's context (prompt and
+  chosen tokens) into its slot again before the next step, so the tokens after the update see only
+  keys/values of the new weights (``trainer.fully_async.kv_on_update: recompute``).
 
 Hybrid decoders (``layer_types`` mixing ``full_attention`` and ``linear_attention``: Qwen3-Next's
 GatedDeltaNet layers) run through the model's own modules with the same scheduler: each slot also
@@ -46,6 +50,9 @@ from skyrl_torch.sampling import RowSampling, choose_tokens, sample_seed
 
 if TYPE_CHECKING:
     from skyrl_core.config.schema import ModelConfig
+
+# recompute_kv: padded tokens per re-prefill forward, at most (a bound on its activations)
+RECOMPUTE_TOKENS = 8192
 
 
 @attrs.define(eq=False)
@@ -83,6 +90,7 @@ class TorchEngine:
     """``skyrl_core.interfaces.InferenceEngine`` in plain PyTorch over a transformers model."""
 
     supports_pause = True  # pause/resume keep in-flight samples and their KV cache
+    supports_kv_recompute = True  # recompute_kv: paused samples re-prefill under the new weights
     supports_separate_process = True  # runs inside a Ray actor (engine.placement: separate)
 
     def __init__(self, model: ModelConfig, options: TorchEngineOptions | None = None, *, seed: int = 0) -> None:
@@ -126,6 +134,7 @@ class TorchEngine:
         self._driver: int | None = None  # thread driving the scheduler
         self._pause_requested = False
         self._parked = False  # the driver stopped at a token boundary for a pause
+        self._kv_stale = False  # recompute_kv was called: re-prefill the active samples before their next token
 
     # -- InferenceEngine -----------------------------------------------------------------------
 
@@ -166,6 +175,15 @@ class TorchEngine:
             self._pause_requested = False
             self._lock.notify_all()
 
+    def recompute_kv(self) -> None:
+        """Drop the keys/values of every admitted sample: before its next token, each is prefilled
+        again from its prompt and chosen tokens under the weights loaded then (call while paused,
+        after ``update_weights``). Samples still waiting are prefilled under those weights anyway;
+        this engine keeps no prefix cache across steps."""
+        self._check_open()
+        with self._lock:
+            self._kv_stale = True
+
     def in_flight(self) -> dict[tuple[str, int], int]:
         """Tokens chosen so far by each unfinished sample (admitted or waiting), by (request id, sample index)."""
         with self._lock:
@@ -179,7 +197,7 @@ class TorchEngine:
         Raises ``KeyError`` for a name the model does not have and ``ValueError`` for a shape that
         differs; tensors before the bad one are already loaded. While generation runs, the engine
         is paused around the update (unless already paused): in-flight samples keep their keys/values
-        (computed by the old weights) and continue under the new ones.
+        (computed by the old weights; ``recompute_kv`` recomputes them) and continue under the new ones.
         """
         self._check_open()
         was_paused = self._pause_requested
@@ -272,8 +290,12 @@ class TorchEngine:
                             self._lock.wait()
                         self._parked = False
                         if not ticket.remaining:
-                            return
+                            return  # (a pending recompute_kv is left to the next driver)
+                        stale = list(self._active.values()) if self._kv_stale else []
+                        self._kv_stale = False
                         admitted = self._admit()
+                    if stale:
+                        self._recompute_kv(stale)
                     if beside_training is not None:  # per step: the trainer may have started or stopped
                         threads = beside_training if trainer_computing() else own_threads
                         if torch.get_num_threads() != threads:
@@ -378,6 +400,22 @@ class TorchEngine:
             flat = [s for g in groups for s in g]
             rows = torch.tensor([i for i, g in enumerate(groups) for _ in g], device=logits.device)
             self._choose(logits[rows], flat, self._row_sampling(flat))
+
+    def _recompute_kv(self, samples: list[_Sample]) -> None:
+        """Prefill each sample's context into its slot again, from position 0 under the current
+        weights: its prompt and every chosen token but the last (which the next decode step feeds).
+        The logits go unused. Rows of similar length go together, at most ``RECOMPUTE_TOKENS``
+        padded tokens a forward (IsoExec's prefill is batch-invariant: the grouping changes no bit)."""
+        cache = self._cache
+        batch: list[_Sample] = []
+        with site_scope("engine_prefill"):
+            for s in sorted(samples, key=lambda s: s.next_position):
+                if batch and (len(batch) + 1) * s.next_position > RECOMPUTE_TOKENS:
+                    self._forward(cache, [b.slot for b in batch], [_context(b) for b in batch], start=0)
+                    batch = []
+                batch.append(s)
+            if batch:
+                self._forward(cache, [b.slot for b in batch], [_context(b) for b in batch], start=0)
 
     def _decode_step(
         self, active: dict[int, _Sample], layout: tuple[RowSampling, list[int]], cache: SlotKVCache
@@ -608,6 +646,11 @@ class TorchEngine:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this TorchEngine is closed")
+
+
+def _context(s: _Sample) -> list[int]:
+    """The tokens whose keys/values a paused sample's slot holds: positions ``0..next_position - 1``."""
+    return [*s.request.prompt_token_ids, *s.token_ids[:-1]]
 
 
 def _tapped(model: Any) -> bool:

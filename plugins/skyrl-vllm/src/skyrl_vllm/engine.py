@@ -108,12 +108,13 @@ class VLLMEngine:
     """
 
     supports_pause = True  # multiprocess mode (the default); an in-process engine sets False
+    supports_kv_recompute = True  # (likewise)
     supports_separate_process = True  # runs inside a Ray actor (engine.placement: separate)
 
     def __init__(self, model: ModelConfig, options: VLLMOptions | None = None, *, seed: int = 0) -> None:
         self.options = options or VLLMOptions()
         self.seed = seed
-        self.supports_pause = self.options.multiprocess
+        self.supports_pause = self.supports_kv_recompute = self.options.multiprocess
         self.policy_version = 0  # stamped on every token chosen (multiprocess mode); set by update_weights
         self._llm: Any = None  # vllm.LLM (in-process) or skyrl_vllm.async_driver.AsyncVLLM
         self._paused = False
@@ -209,6 +210,16 @@ class VLLMEngine:
             self._paused = False
         self._weights_file: str | None = None  # the weights the worker loaded last (multiprocess)
 
+    def recompute_kv(self) -> None:
+        """Drop every request's KV blocks and the prefix cache (call while paused, after
+        ``update_weights``): vLLM's scheduler preempts each running request back to its waiting
+        queue (``reset_prefix_cache(reset_running_requests=True)``), and when scheduled again after
+        ``resume`` a preempted request computes its prompt and output tokens afresh, under the
+        weights loaded then, before its next token. Its sampling state (seeded generator) stays."""
+        llm = self._pausable()
+        if not llm.reset_prefix_cache(reset_running_requests=True):
+            raise RuntimeError("vLLM could not reset its prefix cache after preempting every running request")
+
     def in_flight(self) -> dict[tuple[str, int], int]:
         """Tokens chosen so far by each unfinished sample (admitted or waiting), by (request id, sample index)."""
         return self._pausable().in_flight()
@@ -218,7 +229,8 @@ class VLLMEngine:
 
         Multiprocess mode: tokens chosen afterwards carry policy version ``version`` (``None``: the
         current version + 1). While generation runs, the engine is paused around the update (unless
-        already paused): in-flight samples keep their KV cache and continue under the new weights.
+        already paused): in-flight samples keep their KV cache (``recompute_kv`` recomputes it) and
+        continue under the new weights.
         """
         llm = self._running()
         # Checked here: a bad tensor inside vLLM's layerwise reload would leave the model half-loaded.
