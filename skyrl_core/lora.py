@@ -11,6 +11,8 @@ bits from the same adapter tensors. peft is imported when a function is called.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import warnings
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -163,3 +165,34 @@ def merged_weights(base: dict[str, torch.Tensor], tensors: dict[str, torch.Tenso
     for name in adapted_weight_names(tensors):
         m = name[: -len(".weight")]
         yield name, merged_weight(base[name], tensors[f"{m}.lora_A"], tensors[f"{m}.lora_B"], tensors[f"{m}.lora_scale"])
+
+
+@contextlib.contextmanager
+def fused_forward(model: Any, name: str) -> Iterator[None]:
+    """Within the block, each linear layer carrying adapter ``name`` computes
+    ``base(x) + ((x A^T) * scale) B^T`` with the scale on the rank-wide product and the addition
+    inside one ``addmm``, instead of peft's ``base(x) + (x A^T B^T) * scale``: the same
+    mathematics (fp32 rounding apart) without two output-wide elementwise passes (the scaling and
+    the sum) and their backward, about 7% of a SmolLM2 LoRA training step on CPU. Only for a plain
+    LoRA (no dropout, no DoRA or other variant); other layers keep peft's forward."""
+    import torch
+    from peft.tuners.lora.layer import Linear
+
+    def forward(layer: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out = layer.base_layer(x, *args, **kwargs)
+        a, b = layer.lora_A[name].weight, layer.lora_B[name].weight
+        low = torch.mm(x.reshape(-1, x.shape[-1]).to(a.dtype), a.t()) * layer.scaling[name]
+        return torch.addmm(out.reshape(-1, out.shape[-1]), low.to(out.dtype), b.t().to(out.dtype)).view(out.shape)
+
+    patched = []
+    for _, layer in lora_layers(model):
+        plain = (isinstance(layer, Linear) and name in layer.lora_A and name not in layer.lora_variant
+                 and isinstance(layer.lora_dropout[name], torch.nn.Identity) and not layer.merged)
+        if plain:
+            layer.forward = functools.partial(forward, layer)
+            patched.append(layer)
+    try:
+        yield
+    finally:
+        for layer in patched:
+            del layer.forward

@@ -31,6 +31,19 @@ ONEDNN_LINEAR = OpImplSpec(
     version="1",
     description="fp32 CPU matrix products (forward and backward) on oneDNN; F.linear elsewhere",
 )
+# A CPU runtime's choice for its fp32 products: oneDNN, or PyTorch's BLAS (``F.linear``).
+CPU_GEMMS = ("onednn", "torch")
+
+
+def linear_defaults(cpu_gemm: str, dtype: torch.dtype, device: str = "cpu") -> dict[str, OpImplSpec]:
+    """``prepare_model``'s ``defaults`` for a runtime computing in ``dtype`` on ``device``:
+    ``{"linear": ONEDNN_LINEAR}`` for fp32 on CPU with ``cpu_gemm="onednn"`` and oneDNN available,
+    else none (the stock ``F.linear``)."""
+    if cpu_gemm not in CPU_GEMMS:
+        raise ValueError(f"cpu_gemm {cpu_gemm!r}: allowed: {', '.join(CPU_GEMMS)}")
+    if cpu_gemm == "onednn" and device == "cpu" and dtype == torch.float32 and available():
+        return {"linear": ONEDNN_LINEAR}
+    return {}
 
 
 @functools.cache

@@ -18,3 +18,8 @@ def test_serve_refuses_bad_engine_options_naming_the_key(tmp_path):
     assert result.exit_code == 2 and "no_such_key" in result.output
     result = CliRunner().invoke(tinker_group, ["serve", "--model", str(tmp_path), "--engine-option", "justakey"])
     assert result.exit_code == 2 and "expected KEY=VALUE" in result.output
+
+
+def test_serve_refuses_an_unknown_cpu_gemm(tmp_path):
+    result = CliRunner().invoke(tinker_group, ["serve", "--model", str(tmp_path), "--cpu-gemm", "mkl"])
+    assert result.exit_code == 2 and "'mkl': allowed: onednn, torch" in result.output

@@ -40,12 +40,12 @@ BACKENDS = ("fsdp",)
 
 
 def build_backend(name: str, model_dir: str, *, rank: int, alpha: float, groups: tuple[str, ...], seed: int,
-                  micro_batch_tokens: int) -> Any:
+                  micro_batch_tokens: int, cpu_gemm: str) -> Any:
     from skyrl_core.config.loader import structure_options
     from skyrl_core.plugins.manager import get_plugin_manager
 
     spec = get_plugin_manager().spec("training_backend", name)
-    options = structure_options(spec, {"lora": {"rank": rank, "alpha": alpha, "targets": list(groups)}}, path=f"backend:{name}")
+    options = structure_options(spec, {"lora": {"rank": rank, "alpha": alpha, "targets": list(groups)}, "cpu_gemm": cpu_gemm}, path=f"backend:{name}")
     # Tinker's AdamParams come with every optim_step; the config's lr/clip are not used. Passes are
     # sized like the in-process trainer's (MICRO_BATCH_BYTES).
     trainer = TrainerConfig(micro_batch_size=1024, micro_batch_tokens=micro_batch_tokens)
@@ -55,10 +55,11 @@ def build_backend(name: str, model_dir: str, *, rank: int, alpha: float, groups:
 class BackendLoraTrainer(LoraTrainer):
     next_token_targets_only = True
 
-    def __init__(self, model_dir: str, backend: str) -> None:
+    def __init__(self, model_dir: str, backend: str, *, cpu_gemm: str = "onednn") -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend {backend!r}: Tinker training runs on {', '.join(BACKENDS)}")
-        super().__init__(model_dir)
+        super().__init__(model_dir, cpu_gemm=cpu_gemm)
+        self.cpu_gemm = cpu_gemm
         self.model_dir = model_dir
         self.backend_name = backend
         self.backends: dict[str, Any] = {}
@@ -71,7 +72,8 @@ class BackendLoraTrainer(LoraTrainer):
             raise ValueError(f"adapter {name!r} exists")
         self.check_groups(groups)
         self.backends[name] = build_backend(self.backend_name, self.model_dir, rank=rank, alpha=alpha, groups=groups, seed=seed,
-                                            micro_batch_tokens=max(1, MICRO_BATCH_BYTES // self.bytes_per_token))
+                                            micro_batch_tokens=max(1, MICRO_BATCH_BYTES // self.bytes_per_token),
+                                            cpu_gemm=self.cpu_gemm)
         self.adapters[name] = Adapter(name, rank, alpha, groups, seed, optimizer=None)
 
     def remove(self, name: str) -> None:

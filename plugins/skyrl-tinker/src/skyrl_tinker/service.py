@@ -93,6 +93,7 @@ class TinkerService:
         backend: str | None = None,
         base_model: str | None = None,
         lora_alpha: float = DEFAULT_LORA_ALPHA,
+        cpu_gemm: str = "onednn",
     ) -> None:
         from skyrl_tinker.trainer import LoraTrainer
 
@@ -108,11 +109,11 @@ class TinkerService:
         self.store = Store(db_url)
         self.store.add(InstanceRow(id=self.instance))
         if backend is None:
-            self.trainer = LoraTrainer(model_dir)
+            self.trainer = LoraTrainer(model_dir, cpu_gemm=cpu_gemm)
         else:
             from skyrl_tinker.backend_trainer import BackendLoraTrainer
 
-            self.trainer = BackendLoraTrainer(model_dir, backend)
+            self.trainer = BackendLoraTrainer(model_dir, backend, cpu_gemm=cpu_gemm)
         self._sampler: Any = None
         self._sampler_tensors: tuple[str, Any] | None = None
         self._queue: queue.Queue = queue.Queue()
