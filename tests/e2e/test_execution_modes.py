@@ -79,47 +79,71 @@ def test_fully_async_spans_versions_within_the_staleness_bound(tmp_path, pm, mon
 
 @pytest.mark.slow
 def test_fully_async_rollout_logprobs_are_the_trainers_bits_with_isoexec(tmp_path, pm, monkeypatch):
-    """Tokens sampled by the policy being trained (one version, the sample not paused across an
-    update: its keys/values all of that policy) have rollout logprobs equal to the trainer's at that
-    version, bit for bit, with IsoExec on; off (negative control), some differ."""
+    """With IsoExec on and ``kv_on_update: recompute``, every trained token's rollout logprob equals
+    the trainer's logprob at that token's policy version, bit for bit, samples spanning two versions
+    included (the trainer's weights of each version are kept and loaded back to score its tokens).
+    Negative controls: IsoExec off, some token differs; ``keep`` (paused samples keep the old
+    weights' keys/values), some token sampled after an update differs while every other token
+    (those before it, samples of one version) still matches."""
     import os
 
     from skyrl_fsdp.backend import FSDPBackend
     from skyrl_isoexec import state
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    compared: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    # per run and step, for each trained token: (bit-equal?, sampled after its sample's first version?)
+    tokens: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     original = FSDPBackend.forward_backward
 
+    def load(model, version):  # (a copy: set_model_state_dict fills the dict it is given with the model's tensors)
+        set_model_state_dict(model, dict(weights[version]), options=StateDictOptions(full_state_dict=True))
+
     def comparing(self, batch, loss_fn):
-        trained = trained_version[0]  # step k trains version k - 1
-        rows = [i for i, row in enumerate(batch.token_versions) if set(row[row >= 0].tolist()) == {trained}]
-        if rows:
-            sub = batch.select(rows)
-            mask = sub.loss_mask > 0
-            mine = self.forward(sub)[mask]
-            compared[name].append((mine, sub.rollout_logprobs[mask]))
-        trained_version[0] += 1
+        trained = len(weights)  # step k trains version k - 1 (one optimizer step a training step)
+        weights.append({k: t.clone() for k, t in self.export_weights()})  # (a copy: they may be the live tensors)
+        model = self._local.model  # (world_size 1: the trainer is in this process)
+        versions = batch.token_versions
+        scored = (batch.loss_mask > 0) & (versions >= 0)
+        first = torch.where(scored, versions, trained).min(dim=1, keepdim=True).values
+        mine = torch.zeros_like(batch.rollout_logprobs)
+        for v in sorted(set(versions[scored].tolist())):
+            load(model, v)
+            mine = torch.where(scored & (versions == v), self.forward(batch), mine)
+        load(model, trained)
+        equal = mine.view(torch.int32) == batch.rollout_logprobs.view(torch.int32)
+        tokens[name].append((equal[scored], (versions > first)[scored]))
         return original(self, batch, loss_fn)
 
     monkeypatch.setattr(FSDPBackend, "forward_backward", comparing)
     monkeypatch.delenv("SKYRL_ISOEXEC", raising=False)
-    config = write_tiny_config(tmp_path, steps=3, mini_batches=1)
+    config = write_tiny_config(tmp_path, steps=4, mini_batches=1)
     saved = state.configure(None)
     try:
-        for name, enabled in (("isoexec", "true"), ("stock", "false")):
-            compared[name], trained_version = [], [0]
+        for name, enabled, kv in (("isoexec", "true", "recompute"), ("stock", "false", "recompute"),
+                                  ("keep", "true", "keep")):
+            tokens[name], weights = [], []
+            # max_inflight 8: one worker, generation slower than training, so each update lands
+            # mid-generation and samples spanning two versions are trained (2 runs of 3 without
+            # it had none)
             cfg = load_config(str(config), [f"isoexec.enabled={enabled}", "trainer.mode=fully_async", "data.eval=null",
-                                            "trainer.fully_async.max_inflight=16", f"trainer.output_dir={tmp_path / name}"],
-                              plugin_manager=pm)
+                                            "generation.max_new_tokens=16", "trainer.fully_async.max_inflight=8",
+                                            f"trainer.fully_async.kv_on_update={kv}",
+                                            f"trainer.output_dir={tmp_path / name}"], plugin_manager=pm)
             train(cfg, plugin_manager=pm)
     finally:
         state.configure(saved)
         os.environ.pop("SKYRL_ISOEXEC", None)
-    for name in compared:
-        assert compared[name], f"{name}: no sample of the trained version to compare"
-    iso = [(a.view(torch.int32), b.view(torch.int32)) for a, b in compared["isoexec"]]
-    assert all(torch.equal(a, b) for a, b in iso)
-    assert any(not torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in compared["stock"])
+    equal, later = {}, {}
+    for name, steps in tokens.items():
+        assert len(steps) == 4, name
+        equal[name], later[name] = (torch.cat(parts) for parts in zip(*steps))
+        print(name, "tokens", equal[name].numel(), "after an update", int(later[name].sum()), "differing", int((~equal[name]).sum()))
+    for name in ("isoexec", "keep"):  # (the stock run's negative control needs none)
+        assert int(later[name].sum()) > 0, f"{name}: no trained sample spans two versions"
+    assert bool(equal["isoexec"].all())  # every trained token, of every version
+    assert not bool(equal["stock"].all())
+    keep = equal["keep"]
+    assert bool(keep[~later["keep"]].all()) and not bool(keep[later["keep"]].all())
 
 
 @pytest.mark.slow
