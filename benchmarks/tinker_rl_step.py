@@ -12,7 +12,7 @@ Two base models, each served by a fresh server process: the tiny random Qwen3 of
 (``TINY_QWEN3``) and SmolLM2-135M-Instruct (fp32, ``skyrl_core.models.prepare_smollm2``). The
 server's peak resident memory is its ``VmHWM`` at the end.
 
-The server's resident memory (its process tree) is also sampled every 20 ms and charged to the
+The server's resident memory (its process tree) is also sampled every ``--rss-interval`` seconds (20 ms) and charged to the
 client's phase at that moment: the peak of each phase (``setup``: start, adapter, first sampling
 client) is printed after the steps.
 
@@ -27,7 +27,7 @@ The peer: SkyRL 0.4's own Tinker server (JAX backend) measured on this machine w
 as the issue records it: 1.13 s/step (tiny), 86 s/step (SmolLM2), 18 GiB peak. The last lines
 print skyrl's numbers and their ratios to the peer's (skyrl / peer: below 1 is faster / smaller).
 
-    python benchmarks/tinker_rl_step.py [--steps 3] [--warmup 1] [--threads 2] [--only tiny|smollm2]
+    python benchmarks/tinker_rl_step.py [--steps 3] [--warmup 1] [--threads 2] [--only tiny|smollm2] [--rss-interval 0.02]
                                         [--server-arg=--engine-option --server-arg=prepack_weights=false]
 """
 
@@ -123,7 +123,7 @@ def run(name: str, model_dir: str, encode, workdir: Path, args: argparse.Namespa
     env = {"OMP_NUM_THREADS": str(args.threads)}
     intervals: list[tuple[str, float, float]] = []
     with serve_subprocess(model_dir, checkpoints, model_name=name, env=env, extra=tuple(args.server_arg)) as (url, proc):
-        memory = PhaseMemory(proc.pid)
+        memory = PhaseMemory(proc.pid, interval=args.rss_interval)
         setup = time.perf_counter()
         # (closing the client finishes its session and stops the SDK's heartbeat thread)
         with tinker.ServiceClient(base_url=url, api_key="tml-benchmark") as service:
@@ -170,6 +170,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--only", choices=("tiny", "smollm2"), default=None)
+    parser.add_argument("--rss-interval", type=float, default=0.02,
+                        help="seconds between samples of the server's resident memory (each costs client CPU beside the server's threads)")
     parser.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                         help="an argument added to `skyrl tinker serve` (repeatable; write --server-arg=--engine-option)")
     args = parser.parse_args()
