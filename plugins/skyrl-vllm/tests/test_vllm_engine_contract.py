@@ -68,6 +68,18 @@ class TestVLLMEngine(EngineContract):
         assert contract["ledger"] == worker["ledger"]
         assert contract["ledger"]["linear@engine_decode"]["impl"] == "torch.linear"
 
+    def test_each_weight_update_replaces_the_last_weights_file(self, engine, reference_model):
+        """An update sends the worker a file that stays until the next update replaces it, whether
+        or not a pause came between (resume once forgot the file, so every in-flight update of a
+        fully_async run left a model-sized file behind until close)."""
+        weights = [(name, p.detach()) for name, p in reference_model.named_parameters()]  # its own weights
+        engine.pause()
+        engine.update_weights(weights)
+        engine.resume()
+        engine.update_weights(weights)
+        engine.update_weights(weights)
+        assert len([f for f in os.listdir(engine._workdir) if f.endswith(".safetensors")]) == 1
+
     def test_close_is_idempotent(self, engine_factory, model_config, prompts):
         """The suite's check, plus: every process and file this engine made is gone after ``close``."""
         before = live_descendants()

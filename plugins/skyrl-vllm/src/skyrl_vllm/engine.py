@@ -208,7 +208,6 @@ class VLLMEngine:
         with self._pause_lock:
             llm.resume()
             self._paused = False
-        self._weights_file: str | None = None  # the weights the worker loaded last (multiprocess)
 
     def recompute_kv(self) -> None:
         """Drop every request's KV blocks and the prefix cache (call while paused, after
