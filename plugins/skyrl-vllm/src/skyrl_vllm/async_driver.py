@@ -102,9 +102,10 @@ class AsyncVLLM:
     async def _one(self, prompt: Any, params: Any, request_id: str) -> list[Any]:
         from vllm.sampling_params import RequestOutputKind
 
-        # Each output carries only the tokens (logprobs, text) of its step; CUMULATIVE would re-send
-        # the whole sample so far every step, quadratic in its length. The samples are put back
-        # together here (``_Sample``), and their lengths are the progress ``in_flight()`` reports.
+        # Each output carries only the tokens (logprobs, text) of its step, so nothing per step grows
+        # with the sample (CUMULATIVE re-cuts the text so far each step; about as fast in vLLM 0.32,
+        # benchmarks/vllm_output_kind.py). The samples are put back together here (``_Sample``), and
+        # their lengths are the progress ``in_flight()`` reports.
         params.output_kind = RequestOutputKind.DELTA
         vllm_id = f"{request_id}#{next(self._ids)}"  # unique among requests in flight
         keys = [(vllm_id, index) for index in range(params.n)]
