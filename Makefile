@@ -41,7 +41,7 @@ demo: venv
 # One rerun of a failed test: the suite runs real multi-process systems (Ray, vLLM, sandboxes) whose
 # resource limits can trip on a loaded 2-core machine; a test that is really broken fails twice.
 test: venv
-	$(BIN)/python -m pytest --reruns 1 --reruns-delay 2 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest --reruns 1 --reruns-delay 2 --durations=30 $(PYTEST_ARGS)
 
 test-fast: venv
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
