@@ -85,3 +85,25 @@ def test_a_runtime_default_goes_through_the_install_hook_into_the_ledger(builtin
     observed = {key: value for key, value in fast_ledger.as_dict().items() if key.startswith("linear@")}
     assert observed["linear@trainer_forward"]["impl"] == "onednn.linear"
     assert sum(observed["linear@trainer_forward"]["calls"].values()) == 8  # q, k, v, o, gate, up, down, lm_head
+
+
+def test_bf16_prepack_is_opt_in_and_gives_the_plain_weights_bits():
+    """bf16 weights are prepacked only when asked (``bf16=True``) and the CPU multiplies bf16
+    natively; ``mm_nt``/``mm_nt_add`` then give the plain weight's bits at any row count."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(200, 96, generator=g).bfloat16()
+    assert onednn.prepack(w) is None  # default: fp32 only (IsoExec's bf16 linear is torch.mm)
+    packed = onednn.prepack(w, bf16=True)
+    if not onednn.bf16_native():
+        assert packed is None
+        return
+    for rows in (1, 7, 64, 300):
+        x = torch.randn(rows, 96, generator=g).bfloat16()
+        addend = torch.randn(rows, 200, generator=g).bfloat16()
+        assert torch.equal(onednn.mm_nt(x, packed).view(torch.int16), onednn.mm_nt(x, w).view(torch.int16))
+        plain_add = onednn.mm_nt_add(x, w, None, addend)
+        assert torch.equal(onednn.mm_nt_add(x, packed, None, addend).view(torch.int16), plain_add.view(torch.int16))
+    # It really is another tensor: oneDNN's opaque layout, which no plain product can read.
+    assert packed.is_mkldnn and not w.is_mkldnn
+    with pytest.raises(NotImplementedError):
+        torch.mm(x, packed.t())
