@@ -216,3 +216,42 @@ def test_token_budget_packs_rows_into_fewer_passes_without_changing_the_update(b
     assert all(rows * width <= 24 for rows, width in seen[24])
     assert two_rows["loss"] == pytest.approx(one_row["loss"], abs=1e-6)
     assert two_rows["grad_norm"] == pytest.approx(one_row["grad_norm"], rel=1e-5)
+
+
+def test_keep_gathered_params_gathers_once_per_call_with_the_same_bits(batch, monkeypatch):
+    """``keep_gathered_params``: one gather of each FSDP module per forward / forward_backward call
+    (not one or two per micro-batch), and the same logprobs, losses and updated weights bit for bit;
+    the second step sees the first step's update (the kept copy is freed before the optimizer)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    from skyrl_fsdp.gathered import _fsdp_modules
+
+    gathers = []
+    group_class = _fsdp_param_group.FSDPParamGroup
+    real_unshard = group_class.unshard
+
+    def counted_unshard(group, *args, **kwargs):
+        if group._all_gather_result is None and not group.is_unsharded:  # what FSDP gathers (copies, casts)
+            gathers.append(group)
+        return real_unshard(group, *args, **kwargs)
+
+    monkeypatch.setattr(group_class, "unshard", counted_unshard)
+
+    def run(keep):
+        gathers.clear()
+        with backend(mixed_precision="bf16", keep_gathered_params=keep) as fsdp:
+            scored = fsdp.forward(batch)
+            steps = []
+            for _ in range(2):
+                steps.append({**fsdp.forward_backward(batch, mean_logprob_loss), **fsdp.optim_step()})
+            return scored, steps, dict(fsdp.export_weights()), len(gathers), len(_fsdp_modules(fsdp._local.model))
+
+    plain, kept = run(False), run(True)
+    assert torch.equal(kept[0].view(torch.int32), plain[0].view(torch.int32))
+    assert [(s["loss"], s["grad_norm"]) for s in kept[1]] == [(s["loss"], s["grad_norm"]) for s in plain[1]]
+    assert kept[1][1]["loss"] != kept[1][0]["loss"]  # the update reached the second step's gather
+    assert_weights_bitwise_equal(plain[2], kept[2])
+    modules = kept[4]
+    assert kept[3] == 3 * modules  # 3 calls, each module gathered once in each
+    # Per micro-batch (2): once in the scoring forward, twice in forward_backward.
+    assert plain[3] == (2 + 2 * 2 * 2) * modules

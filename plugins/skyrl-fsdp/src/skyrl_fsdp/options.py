@@ -6,7 +6,7 @@ from typing import Any
 
 import attrs
 
-from skyrl_core.config.validators import one_of, optional_positive_int, positive_int, positive_number
+from skyrl_core.config.validators import boolean, one_of, optional_positive_int, positive_int, positive_number
 
 PRECISIONS = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -76,6 +76,15 @@ class FSDPOptions:
     reshard_after_forward: bool = attrs.field(
         default=True,
         metadata={"help": "free gathered parameters after forward (less memory, one more all-gather in backward)"},
+    )
+    keep_gathered_params: bool = attrs.field(
+        default=False,
+        validator=boolean,
+        metadata={
+            "help": "gather the parameters once per forward / forward_backward call and keep them across its "
+            "micro-batches (same bits; fewer copies and casts, the whole model in the compute dtype held for "
+            "the call) instead of gathering per micro-batch, once or twice"
+        },
     )
     reuse_workers: bool = attrs.field(
         default=False,

@@ -44,6 +44,7 @@ from skyrl_core.state_file import load_state, save_state
 from skyrl_core.ops import prepare_model, site_scope
 from skyrl_core.ops.chunked_logprobs import response_logprobs
 from skyrl_core.types import OptimizerHyperparams, TrainingBatch
+from skyrl_fsdp.gathered import gathered_for_call
 from skyrl_fsdp.hf_io import read_hf_weights, tied_aliases, write_hf_dir
 from skyrl_fsdp.lora import apply_lora, hf_state_dict, is_adapter_tensor, read_adapter, save_adapter
 from skyrl_fsdp.options import FSDPOptions
@@ -199,7 +200,7 @@ class FSDPRank:
         self, part: TrainingBatch, temperature: float, plan: list[list[int]], num_micro: int, filler: TrainingBatch | None
     ) -> torch.Tensor:
         outputs = []
-        with torch.no_grad(), site_scope("trainer_score"):
+        with torch.no_grad(), site_scope("trainer_score"), self._gathered_for_call():
             for (micro, real), rows in zip(self._micro_batches(part, plan, num_micro, filler), plan + [None] * num_micro):
                 real_tokens = micro.attention_mask[:, -micro.response_len:].bool()
                 logprobs, _ = self._response_logprobs(micro, temperature, False, real_tokens)
@@ -215,21 +216,37 @@ class FSDPRank:
         in the shards. Logprobs are computed only where the loss mask is set (the loss reads no other)."""
         wants_entropy = accepts_keyword(loss_fn, "entropy")
         results = []
-        for micro, real in self._micro_batches(part, plan, num_micro, filler):
-            trained = _positions_to_score(micro)
-            with site_scope("trainer_forward"):
-                if real:
-                    logprobs, entropy = self._response_logprobs(micro, temperature, wants_entropy, trained)
-                    extra = {"entropy": entropy} if wants_entropy else {}
-                    loss, metrics = loss_fn(logprobs, micro, **extra)
-                else:  # joins the collectives, contributes exactly zero gradient
-                    logprobs, _ = self._response_logprobs(micro, temperature, False, torch.ones_like(trained))
-                    loss, metrics = logprobs.sum() * 0.0, {}
-                loss.backward()
-            if real:
-                record = {**{k: _scalar(v) for k, v in metrics.items()}, "loss": _scalar(loss)}
-                results.append((record, float(trained.sum())))
+        passes = self._micro_batches(part, plan, num_micro, filler)
+        with self._gathered_for_call() as before_last_backward:
+            for index, (micro, real) in enumerate(passes):
+                if index == len(passes) - 1:
+                    before_last_backward()
+                results.extend(self._forward_backward_one(micro, real, loss_fn, temperature, wants_entropy))
         return results
+
+    def _gathered_for_call(self):
+        return gathered_for_call(
+            self.model, enabled=self.options.keep_gathered_params, reshard_after_forward=self.options.reshard_after_forward
+        )
+
+    def _forward_backward_one(
+        self, micro: TrainingBatch, real: bool, loss_fn: LossFn, temperature: float, wants_entropy: bool
+    ) -> list[tuple[dict[str, float], float]]:
+        """One micro-batch's forward and backward: ``[(metrics, trained tokens)]`` if real, else ``[]``."""
+        trained = _positions_to_score(micro)
+        with site_scope("trainer_forward"):
+            if real:
+                logprobs, entropy = self._response_logprobs(micro, temperature, wants_entropy, trained)
+                extra = {"entropy": entropy} if wants_entropy else {}
+                loss, metrics = loss_fn(logprobs, micro, **extra)
+            else:  # joins the collectives, contributes exactly zero gradient
+                logprobs, _ = self._response_logprobs(micro, temperature, False, torch.ones_like(trained))
+                loss, metrics = logprobs.sum() * 0.0, {}
+            loss.backward()
+        if not real:
+            return []
+        record = {**{k: _scalar(v) for k, v in metrics.items()}, "loss": _scalar(loss)}
+        return [(record, float(trained.sum()))]
 
     def optim_step(self, hyperparams: OptimizerHyperparams | None = None) -> dict[str, float]:
         if hyperparams is None:
