@@ -130,9 +130,13 @@ def test_cli_verify_megatron_against_both_engines(vllm_env):
         (["--engine", "torch", "--engine-option", "max_num_seqs"], "'max_num_seqs' must look like key.path=value"),
         (["--engine", "torch,nope"], "'nope' is not a registered inference engine"),
         (["--tensor-parallel", "2", "--backend", "fsdp"], "--tensor-parallel needs --backend megatron"),
+        (["--preset", "llama"], "llama given more than once"),
+        (["--dtype", "float32", "--dtype", "float32"], "float32 given more than once"),
         # The backend's own pre-flight checks, as `skyrl train` runs them:
         (["--dtype", "bfloat16"], "training_backend:megatron: model.dtype: 'bfloat16' needs megatron's bf16"),
         (["--expert-parallel", "2"], "expert_parallel=2 needs a mixture-of-experts model; llama has no experts"),
+        # Several cases: every one is checked before the first is built, and the refused one is named.
+        (["--dtype", "float32", "--dtype", "bfloat16"], "error: llama bfloat16: training_backend:megatron: model.dtype"),
     ],
 )
 def test_cli_refuses_a_bad_combination_before_verifying(args, message):

@@ -5,6 +5,7 @@ Heavy imports happen inside the commands, so that ``skyrl --help`` stays fast.
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 
@@ -49,12 +50,14 @@ def contract_show(config_path: str, overrides: tuple[str, ...]) -> None:
 
 
 @isoexec_group.command("verify")
-@click.option("--preset", type=click.Choice(sorted(PRESETS)), help="A tiny random model of this family.")
+@click.option("--preset", "presets", multiple=True, type=click.Choice(sorted(PRESETS)),
+              help="A tiny random model of this family; repeatable (each preset and --dtype is one case).")
 @click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False), help="A local Hugging Face model directory.")
 @click.option("--engine", "engine_names", multiple=True, metavar="NAME[,NAME...]",
               help="Registered inference engine(s) to generate with (default: torch); several (comma-separated or "
                    "repeated, e.g. --engine torch,vllm) are each compared against one trainer, built once.")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
+@click.option("--dtype", "dtypes", multiple=True, type=click.Choice(["float32", "bfloat16"]),
+              help="The model's dtype (default: float32); repeatable.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Model, prompt and sampling seed.")
 @click.option("--batches", type=click.IntRange(min=1), default=3, show_default=True, help="Generation batches.")
 @click.option("--off", is_flag=True, help="Run with IsoExec off, to show the native mismatch.")
@@ -68,41 +71,67 @@ def contract_show(config_path: str, overrides: tuple[str, ...]) -> None:
               help="An option of the engine (as under engine.options in a config; YAML value), repeatable, "
                    "e.g. --engine-option multiprocess=false; with several engines, name the engine: "
                    "--engine-option vllm:multiprocess=false.")
-def verify_command(preset, model_dir, engine_names, dtype, seed, batches, off, backend, tensor_parallel, expert_parallel,
-                   engine_option) -> None:
+def verify_command(presets, model_dir, engine_names, dtypes, seed, batches, off, backend, tensor_parallel,
+                   expert_parallel, engine_option) -> None:
     """Generate with each engine, score the same tokens in the trainer, compare bits; exit 1 if any differ.
 
     The trainer is skyrl-fsdp (default) or, with --backend megatron, skyrl-megatron at
     --tensor-parallel / --expert-parallel 1 or more; with IsoExec on it gives each engine's bits
     (0 differing tokens), --off shows how many differ natively. Several engines are checked in turn
-    against the one trainer, each with its own result lines. Exit 2: the pair cannot run (e.g.
-    bfloat16 with megatron, which trains in fp32 on CPU).
+    against the one trainer, each with its own result lines. With several --preset or --dtype
+    values, every preset in every dtype is one case, verified in turn in this one process (one
+    start-up for all); each case's lines are prefixed "PRESET DTYPE: ", then one total line. Every
+    case is checked before any is built.
+    Exit 2: a case cannot run (e.g. bfloat16 with megatron, which trains in fp32 on CPU).
     """
-    if (preset is None) == (model_dir is None):
-        raise click.UsageError("give exactly one of --preset and --model")
+    if bool(presets) == (model_dir is not None):
+        raise click.UsageError("give exactly one of --preset and --model (--preset may be repeated)")
     if tensor_parallel != 1 and backend != "megatron":
         raise click.UsageError("--tensor-parallel needs --backend megatron")
     if expert_parallel != 1 and backend != "megatron":
         raise click.UsageError("--expert-parallel needs --backend megatron")
     from skyrl_core.config.errors import ConfigError
     from skyrl_core.plugins.manager import PluginError
-    from skyrl_isoexec.verify import verify_engines
+    from skyrl_isoexec.verify import echo_prefixed, plan_verify, run_verify, total_line
 
     engines = _engine_names(engine_names)
     engine_options = _engine_options(engine_option, engines)
+    cases = _verify_cases(presets, model_dir, dtypes)
+    label = None
     try:
-        reports = verify_engines(
-            engines=engines, preset=preset, model_dir=model_dir, dtype=dtype, seed=seed, batches=batches, off=off,
-            backend=backend, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
-            engine_options=engine_options, echo=click.echo,
-        )
+        plans = {}
+        for label, source, dtype in cases:
+            plans[label] = plan_verify(
+                engines=engines, dtype=dtype, backend=backend, tensor_parallel=tensor_parallel,
+                expert_parallel=expert_parallel, engine_options=engine_options, **source,
+            )
+        failed = False
+        all_reports = []
+        for label, plan in plans.items():
+            say = click.echo if len(plans) == 1 else functools.partial(echo_prefixed, click.echo, f"{label}: ")
+            reports = run_verify(plan, seed=seed, batches=batches, off=off, echo=say)
+            refused = [name for name, report in reports.items() if report.contract_problems and not off]
+            for name in refused:
+                say(f"contract mismatch with engine {name}: the handshake would refuse this pair")
+            failed = failed or bool(refused) or any(report.differing for report in reports.values())
+            all_reports.extend(reports.values())
     except (NotImplementedError, ValueError, KeyError, PluginError, ConfigError) as exc:  # a pair that cannot run
-        click.echo(f"error: {exc}", err=True)
+        click.echo(f"error: {label}: {exc}" if len(cases) > 1 else f"error: {exc}", err=True)
         sys.exit(2)
-    refused = [name for name, report in reports.items() if report.contract_problems and not off]
-    for name in refused:
-        click.echo(f"contract mismatch with engine {name}: the handshake would refuse this pair")
-    sys.exit(1 if refused or any(report.differing for report in reports.values()) else 0)
+    if len(plans) > 1:
+        click.echo(total_line(all_reports, f"cases {', '.join(plans)}"))
+    sys.exit(1 if failed else 0)
+
+
+def _verify_cases(presets: tuple[str, ...], model_dir: str | None, dtypes: tuple[str, ...]) -> list[tuple[str, dict, str]]:
+    """``(label, model source, dtype)`` for every preset (or the one model) in every dtype, in the
+    order given; a repeated value is refused (its case would run twice)."""
+    for flag, values in (("--preset", presets), ("--dtype", dtypes)):
+        repeated = sorted({v for v in values if values.count(v) > 1})
+        if repeated:
+            raise click.BadParameter(f"{', '.join(repeated)} given more than once", param_hint=flag)
+    sources = [(p, {"preset": p}) for p in presets] or [(model_dir, {"model_dir": model_dir})]
+    return [(f"{name} {dtype}", source, dtype) for name, source in sources for dtype in dtypes or ("float32",)]
 
 
 def _engine_names(given: tuple[str, ...]) -> tuple[str, ...]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import random
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import attrs
 
@@ -193,56 +193,89 @@ def preflight(model: Any, components: Sequence[tuple[str, str, dict[str, Any]]])
     return resolved
 
 
-def verify_engines(
+@attrs.frozen
+class VerifyPlan:
+    """One model and dtype's verification, checked and ready to build: the trainer's and each
+    engine's structured options (``plan_verify``)."""
+
+    model: Any
+    backend: str
+    trainer_options: Any
+    engine_options: tuple[tuple[str, Any], ...]  # (engine name, structured options), in order
+
+
+def plan_verify(
     *,
     engines: Sequence[str] = ("torch",),
     preset: str | None = None,
     model_dir: str | None = None,
     dtype: str = "float32",
-    seed: int = 0,
-    batches: int = 3,
-    off: bool = False,
     world_size: int = 1,
     backend: str = "fsdp",
     tensor_parallel: int = 1,
     expert_parallel: int = 1,
     engine_options: Mapping[str, Mapping[str, Any]] | None = None,
-    echo: Callable[[str], None] = print,
-) -> dict[str, VerifyReport]:
-    """Build the trainer ``backend`` once (``fsdp`` or ``megatron``, at ``tensor_parallel`` and
-    ``expert_parallel``); then, for each of ``engines`` in turn, generate ``batches`` batches with it
-    (the same prompts and seeds for every engine), score them in that one trainer and compare bits.
-    ``engine_options`` maps an engine's name to its options as under ``engine.options`` in a config.
-    Returns each engine's report, in the order given."""
-    from skyrl_core.config.schema import TrainerConfig
-
+) -> VerifyPlan:
+    """Everything ``verify_engines`` checks before it builds: unknown engines or backends, bad options
+    and pairs the components' own checks refuse (bf16 Megatron on CPU, expert parallelism for a dense
+    model, ...) raise here, so that several plans can all be checked before any is run."""
     model = model_config(preset=preset, model_dir=model_dir, dtype=dtype)
     options = trainer_options(
         backend, dtype=dtype, world_size=world_size, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel
     )
-    # Unknown engines or backends, bad options and pairs the components' own checks refuse (bf16
-    # Megatron on CPU, expert parallelism for a dense model, ...) fail before anything is built.
     per_engine = check_engines(engines, engine_options)
     (_, _, trainer_structured), *engine_structured = preflight(
         model, [("training_backend", backend, options), *(("inference_engine", n, o) for n, o in per_engine.items())]
     )
+    return VerifyPlan(model=model, backend=backend, trainer_options=trainer_structured,
+                      engine_options=tuple((name, structured) for _, name, structured in engine_structured))
+
+
+def run_verify(plan: VerifyPlan, *, seed: int = 0, batches: int = 3, off: bool = False,
+               echo: Callable[[str], None] = print) -> dict[str, VerifyReport]:
+    """Build the plan's trainer once; then, for each of its engines in turn, generate ``batches``
+    batches with it (the same prompts and seeds for every engine), score them in that one trainer
+    and compare bits. Returns each engine's report, in the plan's order."""
+    from skyrl_core.config.schema import TrainerConfig
+
     reports = {}
     with state.enabled_scope(not off):
-        trainer = build_runtime("training_backend", backend, trainer_structured, model, seed=seed,
+        trainer = build_runtime("training_backend", plan.backend, plan.trainer_options, plan.model, seed=seed,
                                 trainer=TrainerConfig(micro_batch_size=3))
         try:
-            for _, name, structured in engine_structured:
-                say = functools.partial(_prefixed, echo, f"engine {name}: ") if len(per_engine) > 1 else echo
-                reports[name] = _verify_engine(trainer, name, structured, model, seed=seed, batches=batches, echo=say)
+            for name, structured in plan.engine_options:
+                say = functools.partial(echo_prefixed, echo, f"engine {name}: ") if len(plan.engine_options) > 1 else echo
+                reports[name] = _verify_engine(trainer, name, structured, plan.model, seed=seed, batches=batches, echo=say)
         finally:
             trainer.close()
     if len(reports) > 1:
-        echo(f"{sum(r.differing for r in reports.values())} differing tokens of {sum(r.tokens for r in reports.values())};"
-             f" max |dlogp| = {max(r.max_abs_diff for r in reports.values()):.3e} (engines {', '.join(reports)})")
+        echo(total_line(reports.values(), f"engines {', '.join(reports)}"))
     return reports
 
 
-def _prefixed(echo: Callable[[str], None], prefix: str, line: str) -> None:
+def total_line(reports: Iterable[VerifyReport], what: str) -> str:
+    """The summary over several reports: ``N differing tokens of M; max |dlogp| = X (WHAT)``."""
+    reports = list(reports)
+    return (f"{sum(r.differing for r in reports)} differing tokens of {sum(r.tokens for r in reports)};"
+            f" max |dlogp| = {max(r.max_abs_diff for r in reports):.3e} ({what})")
+
+
+def verify_engines(
+    *,
+    seed: int = 0,
+    batches: int = 3,
+    off: bool = False,
+    echo: Callable[[str], None] = print,
+    **plan: Any,
+) -> dict[str, VerifyReport]:
+    """``plan_verify(**plan)`` (engines, preset or model_dir, dtype, backend and its layout, engine
+    options: ``engine_options`` maps an engine's name to its options as under ``engine.options`` in
+    a config), then ``run_verify``: the trainer built once, each engine compared against it."""
+    return run_verify(plan_verify(**plan), seed=seed, batches=batches, off=off, echo=echo)
+
+
+def echo_prefixed(echo: Callable[[str], None], prefix: str, line: str) -> None:
+    """``echo(prefix + line)``: one engine's or one case's lines among several."""
     echo(prefix + line)
 
 

@@ -1,8 +1,11 @@
 """``skyrl isoexec verify --engine vllm`` for real against the FSDP trainer, compared on bits; ``--off``
-shows the native mismatch. The qwen3 cases run vLLM in its default multiprocess mode (engine core and
-worker in their own processes, IsoExec installed there by skyrl's vLLM bootstrap); the other families
-run it in the verifying process (``--engine-option multiprocess=false``): the same IsoExec layers and
-ops, without two process start-ups (about 20 s each case on 2 cores)."""
+shows the native mismatch. Every family in fp32 and bf16 gives 0 differing tokens. Qwen3 runs vLLM in
+its default multiprocess mode (engine core and worker in their own processes, IsoExec installed there
+by skyrl's vLLM bootstrap); the other families run it in the verifying process (``--engine-option
+multiprocess=false``): the same IsoExec layers and ops, without two process start-ups per case. The
+cases of one mode share one CLI process (repeated ``--preset`` / ``--dtype``: one start-up and import
+for all, each case reported on its own prefixed lines), which also checks that several in-process vLLM
+engines built one after another in one process each give the trainer's bits."""
 
 from __future__ import annotations
 
@@ -16,38 +19,66 @@ import pytest
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
 
+IN_PROCESS = ("--engine-option", "multiprocess=false")
+DTYPES = ("float32", "bfloat16")
 
-def _engine_mode(preset: str) -> tuple[str, ...]:
-    return () if preset == "qwen3" else ("--engine-option", "multiprocess=false")
 
-
-def _verify(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, int, int]:
+def _verify(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict[str, tuple[int, int]], tuple[int, int]]:
+    """The CLI's result, each case's (differing, tokens) by its ``PRESET DTYPE`` label, and the
+    total line's (differing, tokens)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")}
     env.pop("SKYRL_ISOEXEC", None)
     result = subprocess.run(
         [sys.executable, "-m", "skyrl_core", "isoexec", "verify", "--engine", "vllm", "--batches", "2", *args],
         capture_output=True, text=True, env=env, timeout=900,
     )
-    summary = re.search(r"^(\d+) differing tokens of (\d+);", result.stdout, re.MULTILINE)
-    assert summary, result.stdout + result.stderr[-3000:]
-    return result, int(summary.group(1)), int(summary.group(2))
+    total = re.search(r"^(\d+) differing tokens of (\d+);", result.stdout, re.MULTILINE)
+    assert total, result.stdout + result.stderr[-3000:]
+    cases = {m[0]: (int(m[1]), int(m[2]))
+             for m in re.findall(r"^([\w-]+ \w+): (\d+) differing tokens of (\d+);", result.stdout, re.MULTILINE)}
+    return result, cases, (int(total.group(1)), int(total.group(2)))
 
 
-@pytest.mark.parametrize("preset", ["qwen3", "llama", "qwen3-moe", "qwen3-next"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_verify_with_vllm_reports_zero_differing_tokens(tmp_path, preset, dtype):
-    result, differing, tokens = _verify(tmp_path, "--preset", preset, "--dtype", dtype, *_engine_mode(preset))
+def _hashes(output: str) -> dict[str, tuple[str, str]]:
+    return {m[0]: (m[1], m[2]) for m in re.findall(r"^([\w-]+ \w+): isoexec on; contract hashes: trainer (\w+) engine (\w+)$", output, re.M)}
+
+
+@pytest.mark.parametrize(
+    ("presets", "mode"),
+    [(("qwen3",), ()), (("llama", "qwen3-moe", "qwen3-next"), IN_PROCESS)],
+    ids=["multiprocess", "in-process"],
+)
+def test_verify_with_vllm_reports_zero_differing_tokens(tmp_path, presets, mode):
+    preset_args = [a for p in presets for a in ("--preset", p)]
+    result, cases, total = _verify(tmp_path, *preset_args, "--dtype", DTYPES[0], "--dtype", DTYPES[1], *mode)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    assert differing == 0 and tokens > 0
-    hashes = re.search(r"contract hashes: trainer (\w+) engine (\w+)", result.stdout)
-    assert hashes and hashes.group(1) == hashes.group(2)
+    labels = [f"{p} {d}" for p in presets for d in DTYPES]
+    assert list(cases) == labels, result.stdout  # every case ran and reported, in order
+    assert all(differing == 0 < tokens for differing, tokens in cases.values()), cases
+    assert total == (0, sum(tokens for _, tokens in cases.values()))
+    hashes = _hashes(result.stdout)
+    assert list(hashes) == labels and all(trainer == engine for trainer, engine in hashes.values()), result.stdout
     assert "contract:" not in result.stdout  # no handshake problem, fingerprints included
 
 
-@pytest.mark.parametrize(("preset", "dtype"), [("qwen3", "float32"), ("llama", "bfloat16"), ("qwen3-moe", "float32"), ("qwen3-next", "bfloat16")])
-def test_verify_off_shows_the_native_vllm_mismatch(tmp_path, preset, dtype):
-    result, differing, tokens = _verify(tmp_path, "--preset", preset, "--dtype", dtype, "--off", *_engine_mode(preset))
+@pytest.mark.parametrize(
+    ("args", "labels"),
+    [
+        (("--preset", "qwen3", "--dtype", "float32"), None),  # one case: the unprefixed lines
+        (("--preset", "llama", "--preset", "qwen3-next", "--dtype", "bfloat16", *IN_PROCESS),
+         ["llama bfloat16", "qwen3-next bfloat16"]),
+        (("--preset", "qwen3-moe", "--dtype", "float32", *IN_PROCESS), None),
+    ],
+    ids=["qwen3-float32", "llama-qwen3-next-bfloat16", "qwen3-moe-float32"],
+)
+def test_verify_off_shows_the_native_vllm_mismatch(tmp_path, args, labels):
+    result, cases, (differing, tokens) = _verify(tmp_path, *args, "--off")
     assert result.returncode == 1 and 0 < differing <= tokens, result.stdout
+    if labels is None:
+        assert cases == {}  # a single case's lines carry no prefix
+    else:
+        assert list(cases) == labels and all(0 < d <= t for d, t in cases.values()), result.stdout
+        assert (differing, tokens) == tuple(map(sum, zip(*cases.values())))
 
 
 def test_verify_refuses_a_bad_engine_option_before_building_anything(tmp_path):
