@@ -7,13 +7,14 @@ the scoring ``forward``, ``forward_backward`` and ``optim_step``. Each setting r
 child process, alternately (``--rounds`` times each), each child timing ``--steps`` steps after
 one warm-up step; prints every step time, the medians and their ratio, and the load before/after.
 
-    python benchmarks/fsdp_keep_gathered.py [--dtype bfloat16] [--rounds 2] [--steps 3]
+    python benchmarks/fsdp_keep_gathered.py [--dtype bfloat16] [--rounds 2] [--steps 3] [--layers N]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -22,7 +23,7 @@ import time
 from _roofline import machine, uptime
 
 
-def child(dtype: str, keep: bool, steps: int, threads: int) -> None:
+def child(dtype: str, keep: bool, steps: int, threads: int, layers: int | None) -> None:
     import torch
 
     from skyrl_core.config.schema import ModelConfig, TrainerConfig
@@ -37,6 +38,9 @@ def child(dtype: str, keep: bool, steps: int, threads: int) -> None:
     response_lengths = tuple(int(n) for n in torch.randint(8, 33, (64,), generator=gen))
     batch = make_batch(*random_sequences(prompt_lengths, response_lengths, vocab_size=49152))
     model = ModelConfig(path=prepare_smollm2(), dtype=dtype)
+    if layers is not None:  # SmolLM2's shapes with fewer layers, random weights (a lighter check)
+        config = json.loads(open(os.path.join(prepare_smollm2(), "config.json")).read())
+        model = ModelConfig(config={**config, "num_hidden_layers": layers}, dtype=dtype)
     options = FSDPOptions(device="cpu", keep_gathered_params=keep)
     times = []
     with FSDPBackend(model, options, trainer=TrainerConfig(lr=1e-6, micro_batch_size=16)) as fsdp:
@@ -55,10 +59,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--layers", type=int, help="SmolLM2's shapes with this many layers, random weights")
     parser.add_argument("--child", choices=("kept", "per_micro_batch"))
     args = parser.parse_args()
     if args.child:
-        child(args.dtype, args.child == "kept", args.steps, args.threads)
+        child(args.dtype, args.child == "kept", args.steps, args.threads, args.layers)
         return
     print("load before:", uptime(), flush=True)
     times: dict[str, list[float]] = {"per_micro_batch": [], "kept": []}
@@ -66,7 +71,7 @@ def main() -> None:
         for name in times:
             out = subprocess.run(
                 [sys.executable, __file__, "--child", name, "--dtype", args.dtype, "--steps", str(args.steps),
-                 "--threads", str(args.threads)],
+                 "--threads", str(args.threads), *(["--layers", str(args.layers)] if args.layers else [])],
                 capture_output=True, text=True, check=True,
             ).stdout.strip().splitlines()[-1]
             step_times = json.loads(out)
