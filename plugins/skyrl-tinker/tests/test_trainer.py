@@ -54,3 +54,20 @@ def test_onednn_products_train_the_adapter_like_blas_ones_within_fp32_rounding(t
 def test_an_unknown_cpu_gemm_is_refused_before_the_model_loads():
     with pytest.raises(ValueError, match="cpu_gemm 'mkl': allowed: onednn, torch"):
         LoraTrainer("/nonexistent", cpu_gemm="mkl")
+
+
+def test_passes_go_in_order_of_length_and_results_come_back_in_the_callers_order(tiny_model, monkeypatch):
+    import skyrl_tinker.trainer as trainer_module
+
+    trainer = LoraTrainer(tiny_model)
+    trainer.create("a", rank=4, alpha=32.0, groups=("attn", "mlp"), seed=1)
+    examples = _examples()  # lengths 7, 5, 9
+    alone = [trainer.forward("a", [e], "importance_sampling", None)[0][0] for e in examples]
+    # room for two positions-times-rows of the longest datum: passes of at most two short rows
+    monkeypatch.setattr(trainer_module, "MICRO_BATCH_BYTES", 14 * trainer.bytes_per_token)
+    plan = list(trainer._micro_batches(examples))
+    assert plan == [[1, 0], [2]]  # by length: 5 and 7 pad to 14 positions together; 9 alone
+    logprobs, _ = trainer.forward("a", examples, "importance_sampling", None)
+    assert [len(x) for x in logprobs] == [7, 5, 9]  # the caller's order, each its own length
+    for got, want in zip(logprobs, alone):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)

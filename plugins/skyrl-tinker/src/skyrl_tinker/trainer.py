@@ -215,26 +215,31 @@ class LoraTrainer:
                 del base_layer.weight
                 base_layer.register_parameter("weight", weight)
 
-    def _micro_batches(self, examples: Sequence[Example]) -> Iterator[Sequence[Example]]:
-        """Consecutive runs of ``examples`` whose padded pass fits ``MICRO_BATCH_BYTES`` (at least one datum each)."""
-        start, longest = 0, 0
-        for end, example in enumerate(examples):
-            longest_with = max(longest, len(example.tokens))
-            if end > start and (end - start + 1) * longest_with * self.bytes_per_token > MICRO_BATCH_BYTES:
-                yield examples[start:end]
-                start, longest_with = end, len(example.tokens)
-            longest = longest_with
-        if start < len(examples):
-            yield examples[start:]
+    def _micro_batches(self, examples: Sequence[Example]) -> Iterator[list[int]]:
+        """Indices of ``examples`` in passes whose padded size fits ``MICRO_BATCH_BYTES`` (at least one
+        datum each). The data go in order of length (a stable sort: the plan depends only on the
+        lengths), so a pass pads its rows to a length close to theirs: an RL batch's responses vary
+        (SmolLM2's 64 samples of up to 32 tokens: about a tenth of every pass was padding in the
+        order the client sent them)."""
+        order = sorted(range(len(examples)), key=lambda i: len(examples[i].tokens))
+        part: list[int] = []
+        for i in order:  # ascending: the datum joining a pass is its longest
+            if part and (len(part) + 1) * len(examples[i].tokens) * self.bytes_per_token > MICRO_BATCH_BYTES:
+                yield part
+                part = []
+            part.append(i)
+        if part:
+            yield part
 
     def _run(
         self, examples: Sequence[Example], loss_fn: str, loss_config: dict[str, Any] | None, *, backward: bool
     ) -> tuple[list[np.ndarray], dict[str, float]]:
-        outputs: list[np.ndarray] = []
+        outputs: list[np.ndarray] = [np.zeros(0, dtype=np.float32)] * len(examples)
         total = 0.0
         summed: dict[str, float] = {}
         largest = 0
-        for part in self._micro_batches(examples):
+        for indices in self._micro_batches(examples):
+            part = [examples[i] for i in indices]
             ids, mask, inputs = self._pad(part)
             largest = max(largest, ids.numel() * self.bytes_per_token)
             with torch.set_grad_enabled(backward), site_scope("trainer_forward" if backward else "trainer_score"):
@@ -242,8 +247,8 @@ class LoraTrainer:
                 loss, metrics = compute_loss(loss_fn, loss_config, logprobs, inputs, mask)
                 if backward:
                     loss.backward()
-            for i, e in enumerate(part):
-                outputs.append(logprobs[i, : len(e.tokens)].detach().float().numpy().copy())
+            for row, (i, e) in enumerate(zip(indices, part)):
+                outputs[i] = logprobs[row, : len(e.tokens)].detach().float().numpy().copy()
             total += float(loss.detach())
             for key, value in metrics.items():  # per-micro-batch means, weighted by rows
                 summed[key] = summed.get(key, 0.0) + float(value) * len(part)
