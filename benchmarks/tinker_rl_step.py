@@ -16,8 +16,9 @@ The server's resident memory (its process tree) is also sampled every ``--rss-in
 (0.5 s) and charged to the client's phase at that moment: the peak of each phase (``setup``: start,
 adapter, first sampling client) is printed after the steps. Sampling is not free: each sample walks
 the process table from the client, on the cores the server's threads compute on; every 20 ms it
-made SmolLM2's step 28% slower (26.2 s against 20.5 s, side by side on 2026-12-02). The overall peak,
-``VmHWM``, is the kernel's own and exact whatever the interval.
+made SmolLM2's step 11-28% slower (two rounds side by side on 2026-12-02: 21.0 and 26.2 s against
+19.0 and 20.5 s every 0.5 s). The overall peak, ``VmHWM``, is the kernel's own and exact whatever
+the interval.
 
 Beside the times: this machine's limit for the same work (``benchmarks/_roofline.py``, measured
 after the steps): the GEMM FLOPs of one step (sampling: prefill and one decode step per token of
