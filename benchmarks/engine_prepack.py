@@ -1,7 +1,7 @@
 """skyrl-torch rollouts with and without oneDNN-prepacked weights, side by side in one run.
 
 SmolLM2-135M-Instruct in ``--dtype`` (bfloat16 by default: bf16 weights are prepacked since issue 20
-where the CPU multiplies bf16 natively; fp32 ones were before), a batch of 64 chat-templated
+where oneDNN computes bf16 on the CPU (AVX-512 or newer); fp32 ones were before), a batch of 64 chat-templated
 prompts "What is a + b?", up to 32 new tokens at temperature 1, 2 threads. Two engines, one with
 ``prepack_weights: true`` (the default) and one with ``false``, run alternately ``--repeats``
 times after a warm-up, with the same seeds: the prepacked GEMMs give the plain weights' bits, so

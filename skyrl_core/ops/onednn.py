@@ -70,8 +70,8 @@ _PROBE_ROWS = 16
 
 def prepack(weight: torch.Tensor, *, bf16: bool = False) -> torch.Tensor | None:
     """``weight`` ``[N, K]`` reordered once into the blocked layout oneDNN's GEMM computes from, or
-    None for anything but a CPU fp32 weight (also bf16 with ``bf16=True`` on a CPU with native
-    bf16 products) with oneDNN available.
+    None for anything but a CPU fp32 weight (also bf16 with ``bf16=True`` on a CPU where oneDNN
+    computes bf16, ``bf16_supported``) with oneDNN available.
 
     ``mm_nt`` and ``mm_nt_add`` take the result in place of the plain weight: the same kernel
     without the copy into that layout it otherwise makes on every call (12-25% of a decode-sized
@@ -82,14 +82,15 @@ def prepack(weight: torch.Tensor, *, bf16: bool = False) -> torch.Tensor | None:
     """
     if weight.device.type != "cpu" or not available():
         return None
-    if weight.dtype != torch.float32 and not (bf16 and weight.dtype == torch.bfloat16 and bf16_native()):
+    if weight.dtype != torch.float32 and not (bf16 and weight.dtype == torch.bfloat16 and bf16_supported()):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS_HINT)
 
 
 @functools.cache
-def bf16_native() -> bool:
-    """Whether oneDNN multiplies bf16 natively on this CPU (AVX512-BF16/AMX), not by emulation."""
+def bf16_supported() -> bool:
+    """Whether oneDNN computes bf16 products on this CPU: AVX-512 (BW/VL/DQ) or newer, natively
+    with AVX512-BF16 or AMX, by converting to fp32 inside the kernel on plain AVX-512."""
     return available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 

@@ -198,10 +198,10 @@ def _bits(groups) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_prepacked_gemm_operands_give_the_plain_weights_bits_and_follow_update_weights(reference, dtype):
-    """oneDNN-prepacked weight copies (bf16 too, where the CPU multiplies bf16 natively): the same
+    """oneDNN-prepacked weight copies (bf16 too, where oneDNN computes bf16 on this CPU): the same
     kernel without its per-call reorder, so the same bits; ``update_weights`` renews them
     (negative control: without that they go stale)."""
-    from skyrl_core.ops.onednn import bf16_native
+    from skyrl_core.ops.onednn import bf16_supported
 
     model = attrs.evolve(MODEL, dtype=dtype)
 
@@ -209,7 +209,7 @@ def test_prepacked_gemm_operands_give_the_plain_weights_bits_and_follow_update_w
         return TorchEngine(model, TorchEngineOptions(**options), seed=0)
 
     packed, plain, stale = make(), make(prepack_weights=False), make()
-    expected = 2 * 4 + 1 if dtype == "float32" or bf16_native() else 0  # qkv, o, gate_up, down; lm_head
+    expected = 2 * 4 + 1 if dtype == "float32" or bf16_supported() else 0  # qkv, o, gate_up, down; lm_head
     assert packed.execution_contract()["prepacked_gemm_operands"] == expected
     assert plain.execution_contract()["prepacked_gemm_operands"] == 0
     requests = [request(prompt(5), "a", n=2, max_tokens=8, seed=3), request(prompt(11), "b", max_tokens=8, seed=4)]

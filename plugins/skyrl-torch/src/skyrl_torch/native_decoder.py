@@ -19,7 +19,7 @@ On CPU, matrix products can go to oneDNN (``gemm="onednn"``) instead of the BLAS
 GEMMs read copies of the weights reordered once into oneDNN's blocked layout (``repack`` renews
 them after a weight update): the same kernel and bits without that reorder on every call, 12-25%
 faster per decode-sized GEMM here, for a second copy of the projection weights in memory. bf16
-weights are packed too where the CPU multiplies bf16 natively (``prepack(..., bf16=True)``: same
+weights are packed too where oneDNN computes bf16 on the CPU (AVX-512 or newer) (``prepack(..., bf16=True)``: same
 bits; before, every bf16 GEMM reordered its weight on each call).
 
 Only used when the engine's op ledger holds the stock implementation of every op; with an op

@@ -55,7 +55,7 @@ class TorchEngineOptions:
         default=True,
         validator=boolean,
         metadata={
-            "help": "with cpu_gemm=onednn, the native implementation's GEMMs (fp32; bf16 on CPUs with native bf16) read copies of the weights "
+            "help": "with cpu_gemm=onednn, the native implementation's GEMMs (fp32; bf16 where oneDNN computes bf16, AVX-512 or newer) read copies of the weights "
             "reordered once into oneDNN's layout (same bits, 12-25% faster per decode-sized GEMM; renewed after "
             "each weight update; a second copy of the projection weights in memory): false saves that memory"
         },
