@@ -127,3 +127,21 @@ def test_scheduling_on_cpu_splits_no_prompt_except_where_vllm_needs_chunked_pref
     assert scheduler_kwargs(options, on_cpu=True, model_dir=hybrid) == {"max_num_batched_tokens": 8192}
     assert scheduler_kwargs(VLLMOptions(max_model_len=None), on_cpu=True, model_dir=dense) == {"enable_chunked_prefill": False}
     assert scheduler_kwargs(options, on_cpu=False, model_dir=dense) == {}
+
+
+@pytest.mark.parametrize("option, expected_flag", [(None, "--enforce-eager"), (True, "--enforce-eager"), (False, "--no-enforce-eager")])
+def test_a_launched_vllm_serve_is_eager_on_cpu_unless_told_otherwise(tmp_path, option, expected_flag):
+    """``enforce_eager: null`` means eager on CPU for ``vllm serve`` as for the in-process engine: left
+    off the command line, vLLM compiled the server's model with Inductor (its start took 82 s of the
+    suite, against ~30 s eager)."""
+    from vllm.platforms import current_platform
+
+    from skyrl_vllm.vllm_server import serve_command
+
+    (tmp_path / "config.json").write_text(json.dumps(dict(TINY_QWEN3)))
+    cmd = serve_command(str(tmp_path), None, VLLMOptions(enforce_eager=option), dtype="float32", seed=0, port=1)
+    eager_flags = [arg for arg in cmd if arg.endswith("enforce-eager")]
+    if option is None and not current_platform.is_cpu():
+        assert eager_flags == ["--no-enforce-eager"]
+    else:
+        assert eager_flags == [expected_flag]

@@ -55,6 +55,7 @@ def serve_command(
 
     from skyrl_vllm.engine import scheduler_kwargs
 
+    on_cpu = current_platform.is_cpu()
     cmd = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry"]
     args: dict[str, Any] = {
         "model": model_dir,
@@ -72,10 +73,11 @@ def serve_command(
         "gpu_memory_utilization": options.gpu_memory_utilization,
         "max_model_len": options.max_model_len,
         "max_num_seqs": options.max_num_seqs,
-        "enforce_eager": options.enforce_eager,
+        # The option's null means "eager on CPU" here too: left out, vLLM would compile with Inductor.
+        "enforce_eager": on_cpu if options.enforce_eager is None else options.enforce_eager,
         "enable_prefix_caching": options.enable_prefix_caching,
         "enable_sleep_mode": enable_sleep_mode or None,
-        **scheduler_kwargs(options, on_cpu=current_platform.is_cpu(), model_dir=model_dir),
+        **scheduler_kwargs(options, on_cpu=on_cpu, model_dir=model_dir),
         **options.engine_kwargs,
     }
     for name, value in args.items():
