@@ -24,11 +24,20 @@ MAX_BODY = 1024 * 1024
 HEADERS = {"X-API-Key": TEST_KEY}
 
 
+# Keys the module's server accepts: the tests' own, and two more for the key isolation test.
+MINE, OTHER = "tml-mine-key", "tml-other-key"
+
+
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
+    """The module's server: the torch engine, IsoExec off (explicitly: it is also the negative
+    control's server in test_sampled_logprobs_...[0-torch]), an API key file. Tests share it
+    rather than each starting a server process of its own."""
     root = tmp_path_factory.mktemp("tinker")
     (root / "ck").mkdir()
-    with serve(tiny_model, root / "ck", extra=("--max-request-bytes", str(MAX_BODY))) as url:
+    (root / "keys").write_text(f"# test keys\n{TEST_KEY}\n{MINE}\n{OTHER}\n")
+    extra = ("--max-request-bytes", str(MAX_BODY), "--api-keys", str(root / "keys"))
+    with serve(tiny_model, root / "ck", extra=extra, env={"SKYRL_ISOEXEC": "0"}) as url:
         yield url, root / "ck"
 
 
@@ -269,19 +278,17 @@ def test_a_restarted_server_answers_for_finished_work_and_lists_checkpoints(tiny
             assert (_forward_bits(restored) == bits).all()
 
 
-def test_api_keys_authenticate_and_isolate(tiny_model, tmp_path):
-    other = "tml-other-key"
-    (tmp_path / "keys").write_text(f"# test keys\n{TEST_KEY}\n{other}\n")
-    (tmp_path / "ck").mkdir()
-    with (serve(tiny_model, tmp_path / "ck", extra=("--api-keys", str(tmp_path / "keys"))) as url,
-          httpx.Client(base_url=url, timeout=60) as http, contextlib.ExitStack() as stack):
+def test_api_keys_authenticate_and_isolate(server, connect):
+    """On the module's server (its key file: the tests' key, MINE and OTHER); MINE's runs and
+    checkpoints are its own, whatever the other tests made with theirs."""
+    url, _ = server
+    with httpx.Client(base_url=url, timeout=60) as http:
         assert http.post("/api/v1/create_session", json={"tags": [], "user_metadata": None, "sdk_version": "x"}).status_code == 401
         r = http.post("/api/v1/create_session", json={"tags": [], "user_metadata": None, "sdk_version": "x"}, headers={"X-API-Key": "tml-wrong"})
         assert r.status_code == 401 and "invalid API key" in r.text
-        service = stack.enter_context(_client(url))
-        tc = service.create_lora_training_client(base_model="tiny", rank=4, seed=0).result()
+        tc = connect(url, MINE).create_lora_training_client(base_model="tiny", rank=4, seed=0).result()
         path = tc.save_state("mine").result().path
-        theirs = {"X-API-Key": other}
+        theirs = {"X-API-Key": OTHER}
         r = http.post("/api/v1/get_info", json={"model_id": tc.model_id}, headers=theirs)
         assert r.status_code == 404 and "not found" in r.text
         assert http.get(f"/api/v1/training_runs/{tc.model_id}/checkpoints", headers=theirs).status_code == 404
@@ -289,10 +296,9 @@ def test_api_keys_authenticate_and_isolate(tiny_model, tmp_path):
         assert http.get("/api/v1/training_runs", headers=theirs).json()["training_runs"] == []
         r = http.post("/api/v1/load_weights", json={"model_id": tc.model_id, "path": path, "optimizer": True}, headers=theirs)
         assert r.status_code == 404
-        mine = http.get("/api/v1/checkpoints", headers=HEADERS).json()["checkpoints"]
+        mine = http.get("/api/v1/checkpoints", headers={"X-API-Key": MINE}).json()["checkpoints"]
         assert [c["tinker_path"] for c in mine] == [path]
-        theirs_client = stack.enter_context(_client(url, other))
-        assert theirs_client.create_lora_training_client(base_model="tiny", rank=4).result().get_info().lora_rank == 4
+        assert connect(url, OTHER).create_lora_training_client(base_model="tiny", rank=4).result().get_info().lora_rank == 4
 
 
 ENGINES = {  # name -> (serve arguments, environment); the engine's module is checked in the server's log
@@ -305,11 +311,16 @@ ENGINES = {  # name -> (serve arguments, environment); the engine's module is ch
 
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("isoexec", ["1", "0"])
-def test_sampled_logprobs_equal_training_logprobs_bit_for_bit_with_isoexec(tiny_model, tmp_path, isoexec, engine):
-    (tmp_path / "ck").mkdir()
-    extra, env = ENGINES[engine]
-    env = {k: v.format(tmp=tmp_path) for k, v in env.items()}
-    with serve(tiny_model, tmp_path / "ck", extra=extra, env={"SKYRL_ISOEXEC": isoexec, **env}) as url, _client(url) as service:
+def test_sampled_logprobs_equal_training_logprobs_bit_for_bit_with_isoexec(tiny_model, tmp_path, isoexec, engine, request):
+    if (isoexec, engine) == ("0", "torch"):  # the module's server is this one: no server start of its own
+        url, ck = request.getfixturevalue("server")
+        started, logs = contextlib.nullcontext(url), ck.parent
+    else:
+        (tmp_path / "ck").mkdir()
+        extra, env = ENGINES[engine]
+        env = {k: v.format(tmp=tmp_path) for k, v in env.items()}
+        started, logs = serve(tiny_model, tmp_path / "ck", extra=extra, env={"SKYRL_ISOEXEC": isoexec, **env}), tmp_path
+    with started as url, _client(url) as service:
         tc = service.create_lora_training_client(base_model="tiny", rank=4, seed=0).result()
         losses = _sl_steps(tc, 3)  # a trained adapter, so the merged weights differ from the base
         assert losses[2] < losses[1] < losses[0]  # (with IsoExec, training runs through the merged weights)
@@ -330,7 +341,7 @@ def test_sampled_logprobs_equal_training_logprobs_bit_for_bit_with_isoexec(tiny_
         prompt_bits = np.asarray(response.prompt_logprobs[1:], dtype=np.float32).view(np.int32)
         assert (prompt_bits == _forward_bits(tc, _datum(prompt))).all()
     assert total == 48
-    (log,) = tmp_path.glob("server-*.log")
+    (log,) = logs.glob("server-*.log")
     assert f"sampling engine {engine!r} started (skyrl_{engine}." in log.read_text()
     if isoexec == "1":  # forward and forward_backward both see the sampler's bits: the KL is exactly 0
         assert differing == differing_fb == 0
