@@ -24,6 +24,9 @@ def test_verify_reports_zero_and_off_shows_the_native_mismatch():
     on = _skyrl("verify", "--preset", "llama", "--batches", "1", "--seed", "3")
     assert on.returncode == 0, on.stdout + on.stderr
     assert "0 differing tokens of" in on.stdout
+    # One case: its lines carry no "PRESET DTYPE: " prefix and no total line follows.
+    assert on.stdout.startswith("isoexec on; contract hashes:"), on.stdout
+    assert "llama float32:" not in on.stdout and "(cases " not in on.stdout
     off = _skyrl("verify", "--preset", "llama", "--batches", "1", "--seed", "3", "--off")
     assert off.returncode == 1, off.stdout + off.stderr
     differing = int(off.stdout.strip().splitlines()[-1].split()[0])
@@ -75,3 +78,39 @@ def test_trace_and_compare_name_the_first_divergent_op(tmp_path):
     differ = _skyrl("compare", paths["full", True], paths["decode", True])
     assert differ.returncode == 1
     assert "first divergence: op linear in module model.layers.0.self_attn.q_proj" in differ.stdout
+
+
+def test_verify_cases_take_a_dtype_per_preset():
+    """``--preset NAME:DTYPE`` is one case in that dtype; ``--dtype`` is for the presets without one."""
+    from skyrl_isoexec.cli import _verify_cases
+
+    cases = _verify_cases((("qwen3", "float32"), ("llama", None), ("qwen3-moe", "bfloat16")), None, ("bfloat16", "float32"))
+    assert [(label, source, dtype) for label, source, dtype in cases] == [
+        ("qwen3 float32", {"preset": "qwen3"}, "float32"),
+        ("llama bfloat16", {"preset": "llama"}, "bfloat16"), ("llama float32", {"preset": "llama"}, "float32"),
+        ("qwen3-moe bfloat16", {"preset": "qwen3-moe"}, "bfloat16"),
+    ]
+    assert [label for label, _, _ in _verify_cases((("llama", None),), None, ())] == ["llama float32"]  # the default
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--preset", "qwen3:float16"], "'qwen3:float16': dtype 'float16' is not one of float32, bfloat16"),
+        (["--preset", "gpt2:float32"], "'gpt2' is not a preset; choose from llama, qwen3, qwen3-moe, qwen3-next"),
+        (["--preset", "qwen3:float32", "--preset", "qwen3"], "the case qwen3 float32 given more than once"),
+        (["--preset", "qwen3:float32", "--preset", "qwen3:float32"], "qwen3:float32 given more than once"),
+        # Accepted, --dtype would do nothing: refused.
+        (["--preset", "qwen3:float32", "--preset", "llama:bfloat16", "--dtype", "float32"],
+         "float32 is for the presets given without :DTYPE, and every preset names its own (qwen3:float32, llama:bfloat16)"),
+    ],
+)
+def test_verify_refuses_a_bad_preset_case_before_building(args, message):
+    from click.testing import CliRunner
+
+    from skyrl_isoexec.cli import isoexec_group
+
+    result = CliRunner().invoke(isoexec_group, ["verify", *args])
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.output.split()), result.output
+    assert "differing tokens" not in result.output

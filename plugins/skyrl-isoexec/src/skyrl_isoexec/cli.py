@@ -49,15 +49,37 @@ def contract_show(config_path: str, overrides: tuple[str, ...]) -> None:
     sys.exit(1 if problems else 0)
 
 
+DTYPES = ("float32", "bfloat16")
+
+
+class PresetCase(click.ParamType):
+    """``NAME`` or ``NAME:DTYPE``: a preset, optionally with the one dtype it is verified in."""
+
+    name = "NAME[:DTYPE]"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        name, colon, dtype = str(value).partition(":")
+        if name not in PRESETS:
+            self.fail(f"{name!r} is not a preset; choose from {', '.join(sorted(PRESETS))}"
+                      f" (optionally with :DTYPE, one of {', '.join(DTYPES)})", param, ctx)
+        if colon and dtype not in DTYPES:
+            self.fail(f"{value!r}: dtype {dtype!r} is not one of {', '.join(DTYPES)}", param, ctx)
+        return name, dtype or None
+
+
 @isoexec_group.command("verify")
-@click.option("--preset", "presets", multiple=True, type=click.Choice(sorted(PRESETS)),
-              help="A tiny random model of this family; repeatable (each preset and --dtype is one case).")
+@click.option("--preset", "presets", multiple=True, type=PresetCase(),
+              help="A tiny random model of this family; repeatable (each preset and --dtype is one case). "
+                   "NAME:DTYPE verifies this preset in that dtype only (--dtype is for the presets without one), "
+                   "e.g. --preset qwen3:float32 --preset llama:bfloat16 is two cases.")
 @click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False), help="A local Hugging Face model directory.")
 @click.option("--engine", "engine_names", multiple=True, metavar="NAME[,NAME...]",
               help="Registered inference engine(s) to generate with (default: torch); several (comma-separated or "
                    "repeated, e.g. --engine torch,vllm) are each compared against one trainer, built once.")
-@click.option("--dtype", "dtypes", multiple=True, type=click.Choice(["float32", "bfloat16"]),
-              help="The model's dtype (default: float32); repeatable.")
+@click.option("--dtype", "dtypes", multiple=True, type=click.Choice(DTYPES),
+              help="The model's dtype (default: float32); repeatable; for every --preset given without :DTYPE.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Model, prompt and sampling seed.")
 @click.option("--batches", type=click.IntRange(min=1), default=3, show_default=True, help="Generation batches.")
 @click.option("--off", is_flag=True, help="Run with IsoExec off, to show the native mismatch.")
@@ -79,9 +101,9 @@ def verify_command(presets, model_dir, engine_names, dtypes, seed, batches, off,
     --tensor-parallel / --expert-parallel 1 or more; with IsoExec on it gives each engine's bits
     (0 differing tokens), --off shows how many differ natively. Several engines are checked in turn
     against the one trainer, each with its own result lines. With several --preset or --dtype
-    values, every preset in every dtype is one case, verified in turn in this one process (one
-    start-up for all); each case's lines are prefixed "PRESET DTYPE: ", then one total line. Every
-    case is checked before any is built.
+    values, every preset in every dtype is one case (a --preset NAME:DTYPE only in its own dtype),
+    verified in turn in this one process (one start-up for all); each case's lines are prefixed
+    "PRESET DTYPE: ", then one total line. Every case is checked before any is built.
     Exit 2: a case cannot run (e.g. bfloat16 with megatron, which trains in fp32 on CPU).
     """
     if bool(presets) == (model_dir is not None):
@@ -123,15 +145,29 @@ def verify_command(presets, model_dir, engine_names, dtypes, seed, batches, off,
     sys.exit(1 if failed else 0)
 
 
-def _verify_cases(presets: tuple[str, ...], model_dir: str | None, dtypes: tuple[str, ...]) -> list[tuple[str, dict, str]]:
+def _verify_cases(presets: tuple[tuple[str, str | None], ...], model_dir: str | None,
+                  dtypes: tuple[str, ...]) -> list[tuple[str, dict, str]]:
     """``(label, model source, dtype)`` for every preset (or the one model) in every dtype, in the
-    order given; a repeated value is refused (its case would run twice)."""
-    for flag, values in (("--preset", presets), ("--dtype", dtypes)):
+    order given; a preset given as ``(name, dtype)`` only in its own dtype. A repeated value or
+    case is refused (it would run twice), and so is a --dtype that no case would use."""
+    given = [name if dtype is None else f"{name}:{dtype}" for name, dtype in presets]
+    for flag, values in (("--preset", given), ("--dtype", list(dtypes))):
         repeated = sorted({v for v in values if values.count(v) > 1})
         if repeated:
             raise click.BadParameter(f"{', '.join(repeated)} given more than once", param_hint=flag)
-    sources = [(p, {"preset": p}) for p in presets] or [(model_dir, {"model_dir": model_dir})]
-    return [(f"{name} {dtype}", source, dtype) for name, source in sources for dtype in dtypes or ("float32",)]
+    if dtypes and presets and all(dtype is not None for _, dtype in presets):
+        raise click.BadParameter(
+            f"{', '.join(dtypes)} is for the presets given without :DTYPE, and every preset names its own"
+            f" ({', '.join(given)})", param_hint="--dtype")
+    sources = [(name, {"preset": name}, (dtype,) if dtype else None) for name, dtype in presets] \
+        or [(model_dir, {"model_dir": model_dir}, None)]
+    cases = [(f"{name} {dtype}", source, dtype)
+             for name, source, own in sources for dtype in own or dtypes or ("float32",)]
+    labels = [label for label, _, _ in cases]
+    repeated = sorted({label for label in labels if labels.count(label) > 1})
+    if repeated:
+        raise click.BadParameter(f"the case {', '.join(repeated)} given more than once", param_hint="--preset")
+    return cases
 
 
 def _engine_names(given: tuple[str, ...]) -> tuple[str, ...]:
