@@ -1,5 +1,6 @@
 """skyrl sft: chat rendering and loss masks, packed rows scored as if alone, exact resume after a
-kill, the exported directory, and (SmolLM2, slow) eval loss that falls."""
+kill, the exported directory, and (SmolLM2, slow: examples/sft.yaml through ``skyrl sft``) eval loss
+that falls."""
 
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ from skyrl_core.data import DatasetError, write_jsonl
 from skyrl_core.data_chat import load_chat_dataset, render_chat
 from skyrl_core.testing.backend_contract import TINY_QWEN3
 from skyrl_core.trainer.metrics import read_metrics, without_timings
-from skyrl_core.trainer.sft import build_sft_batch, sample_logprobs, sft, token_mean_weights
+from skyrl_core.trainer.sft import HF_DIR, build_sft_batch, sample_logprobs, sft, token_mean_weights
 from skyrl_core.models import SMOLLM2_DIR
+from tests.e2e.example_run import check_example_run
 
 ROOT = Path(__file__).resolve().parents[2]
 SFT_DATA = ROOT / "examples" / "data" / "sft"
@@ -172,35 +174,37 @@ def test_bad_sft_inputs_are_refused_before_any_work(tmp_path, fresh_plugin_manag
 
 
 @pytest.mark.slow
-def test_sft_on_smollm2_lowers_eval_loss_and_exports_a_model_that_generates(tmp_path, fresh_plugin_manager):
+def test_sft_on_smollm2_lowers_eval_loss_and_exports_a_model_that_generates(tmp_path):
+    # The shipped examples/sft.yaml through `skyrl sft` from another directory, checked as
+    # tests/e2e/test_examples.py checks every example (exit 0, last step logged, no warning noise):
+    # this is that example's run, so SmolLM2 is loaded for SFT once in the suite, not twice.
     if not Path(os.path.expanduser(SMOLLM2_DIR), "config.json").is_file():
         from skyrl_core.models import prepare_smollm2
 
         prepare_smollm2(os.path.expanduser(SMOLLM2_DIR))
-    cfg = load_config(str(ROOT / "examples" / "sft.yaml"),
-                      [f"trainer.output_dir={tmp_path / 'run'}", "trainer.steps=6", "trainer.eval_every=6",
-                       "trainer.progress=false", "data.eval_size=8"], plugin_manager=fresh_plugin_manager)
-    result = sft(cfg, plugin_manager=fresh_plugin_manager)
-    evals = [r["eval/loss"] for r in result.history if "eval/loss" in r]
+    check_example_run(ROOT / "examples" / "sft.yaml", tmp_path, "trainer.eval_every=6", "data.eval_size=8", steps=6)
+    history = read_metrics(str(tmp_path / "run"))
+    evals = [r["eval/loss"] for r in history if "eval/loss" in r]
     assert len(evals) == 2 and evals[1] < evals[0] - 0.1, evals
+    hf_dir = str(tmp_path / "run" / HF_DIR)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(result.hf_dir)
-    model = AutoModelForCausalLM.from_pretrained(result.hf_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     messages = load_chat_dataset(SFT_DATA / "eval.jsonl")[0]["messages"][:2]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     out = model.generate(**prompt, max_new_tokens=12, do_sample=False)
     text = tokenizer.decode(out[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
     assert " + " in text and " = " in text, text  # the trained reply format
-    json.dumps(result.history)  # metrics are plain JSON
+    json.dumps(history)  # metrics are plain JSON
 
     # packed and unpacked batches of the same real conversations: the same fp32 loss
     from skyrl_fsdp.backend import FSDPBackend
     from skyrl_fsdp.options import FSDPOptions
 
     samples = [render_chat(tokenizer, row["messages"]) for row in load_chat_dataset(SFT_DATA / "eval.jsonl")[:6]]
-    with FSDPBackend(ModelConfig(path=result.hf_dir), FSDPOptions(device="cpu"),
+    with FSDPBackend(ModelConfig(path=hf_dir), FSDPOptions(device="cpu"),
                      trainer=TrainerConfig(micro_batch_size=6)) as backend:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         (packed, rows), (plain, _) = (build_sft_batch(samples, pad, pack=p, max_length=1024) for p in (True, False))
