@@ -1,4 +1,7 @@
-"""Checkpoint -> kill -> resume gives exactly the metrics of an uninterrupted run (fp32, tiny model)."""
+"""Checkpoint -> kill -> resume gives exactly the metrics of an uninterrupted run (fp32, tiny model).
+A run ends by saying what it did and where everything went; after a resume, the held-out summary
+is about the resumed run (from the checkpoint's step to its last), not the first run. (The summary
+was a test of its own, two more tiny runs: these runs print it anyway.)"""
 
 from __future__ import annotations
 
@@ -25,6 +28,11 @@ def _skyrl_train(config: Path, *overrides: str, kill_at: int | None = None) -> s
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
+def _summary(stdout: str) -> list[str]:
+    lines = stdout.splitlines()
+    return lines[next(i for i, line in enumerate(lines) if line.startswith("run finished:")):]
+
+
 @pytest.mark.slow
 def test_resume_after_a_kill_reproduces_the_uninterrupted_run(tmp_path) -> None:
     config = write_tiny_config(tmp_path, steps=4, checkpoint_every=2, eval_every=2)
@@ -32,6 +40,13 @@ def test_resume_after_a_kill_reproduces_the_uninterrupted_run(tmp_path) -> None:
 
     done = _skyrl_train(config, f"trainer.output_dir={uninterrupted}")
     assert done.returncode == 0, done.stderr[-3000:]
+    first = _summary(done.stdout)
+    assert first[0] == "run finished: steps 1-4"
+    assert first[1].startswith("held-out accuracy: ") and first[1].endswith(" at step 4 (16 prompts)")
+    assert " at step 0 -> " in first[1]
+    assert first[2:] == [f"  run directory:   {uninterrupted}", f"  config:          {uninterrupted}/config.yaml",
+                         f"  metrics:         {uninterrupted}/metrics.jsonl", f"  plot:            {uninterrupted}/metrics.png",
+                         f"  last checkpoint: {uninterrupted}/checkpoints/step_000004"]
 
     killed = _skyrl_train(config, f"trainer.output_dir={crashed}", kill_at=2)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
@@ -40,6 +55,11 @@ def test_resume_after_a_kill_reproduces_the_uninterrupted_run(tmp_path) -> None:
 
     resumed = _skyrl_train(config, f"trainer.output_dir={crashed}", f"resume={crashed}")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = _summary(resumed.stdout)
+    assert summary[0] == "run finished: steps 3-4 (resumed from step 2)"
+    # from the checkpoint's evaluation (step 2) to this run's last (step 4), on this run's 16 prompts
+    assert " at step 2 -> " in summary[1] and summary[1].endswith(" at step 4 (16 prompts)"), summary[1]
+    assert summary[-1] == f"  last checkpoint: {crashed}/checkpoints/step_000004"
 
     reference = [without_timings(r) for r in read_metrics(str(uninterrupted))]
     continued = [without_timings(r) for r in read_metrics(str(crashed))]

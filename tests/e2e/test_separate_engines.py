@@ -28,19 +28,9 @@ from tests.e2e.tiny_run import write_tiny_config
 from tests.rollout.envs import TestEnvironments
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def local_ray():
-    import ray
-
-    from skyrl_core.local_ray import ensure_local_ray
-
-    if ray.is_initialized():
-        ray.shutdown()
-    ensure_local_ray(2)
-    yield
-    ray.shutdown()
+# The single-node tests share the module's Ray session (skyrl_core.testing's ray_session: one Ray
+# start, seconds on 2 cores, instead of one per test); each leaves no actor behind (the router and
+# the trainer close their engine processes). The two-node test starts its own cluster.
 
 
 @pytest.fixture
@@ -58,7 +48,7 @@ def _tied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return moved
 
 
-def test_router_syncs_every_replica_routes_episodes_and_restarts_a_killed_one(local_ray, tmp_path):
+def test_router_syncs_every_replica_routes_episodes_and_restarts_a_killed_one(ray_session, tmp_path):
     model = ModelConfig(config=dict(TINY_QWEN3))
     engine = EngineConfig(name="torch", options={"max_num_seqs": 8})
     replicas = [RemoteEngine(engine, model, seed=0, name=f"engine-{i}", restart_on_failure=True,
@@ -106,7 +96,7 @@ class _KillEngineAtStep:
             self.killed.append(pid)
 
 
-def test_fully_async_with_separate_engines_survives_a_killed_engine_and_resumes(local_ray, tmp_path, pm):
+def test_fully_async_with_separate_engines_survives_a_killed_engine_and_resumes(ray_session, tmp_path, pm):
     from skyrl_core.trainer.checkpoint import resolve_checkpoint
 
     config = write_tiny_config(tmp_path, steps=4, mini_batches=1, checkpoint_every=1)
