@@ -6,7 +6,8 @@ negative control is the run without the plugin's switch (no count). Trainers kee
 engines' stock path is their own fused kernels, so there the logprobs are compared within 1e-4.
 
 Each runtime runs in a fresh interpreter with the fixture on ``PYTHONPATH`` (installed with pip
-into a temporary directory, not into the shared environment).
+into a temporary directory, not into the shared environment). vLLM's stock run, the reference, runs
+in that interpreter (``multiprocess=false``); its counted run in vLLM's own worker processes.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from skyrl_core.types import TrainingBatch
 
 def main():
     kind, name, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    stock_options = {**options, **json.loads(sys.argv[5])}  # the run without the plugin's switch
     torch.manual_seed(0)
     model = ModelConfig(config=dict(TINY_QWEN3))
     spec = get_plugin_manager().spec(kind, name)
@@ -43,7 +45,8 @@ def main():
         else:
             os.environ.pop("SKYRL_COUNTING_LINEAR_DIR", None)
         kwargs = {"trainer": TrainerConfig(micro_batch_size=2)} if kind == "training_backend" else {}
-        runtime = spec.load_factory()(model, structure_options(spec, options, path=name), seed=0, **kwargs)
+        given = options if counting else stock_options
+        runtime = spec.load_factory()(model, structure_options(spec, given, path=name), seed=0, **kwargs)
         try:
             declared = runtime.execution_contract().get("ledger", {}).get("linear@" + ("trainer_forward" if kind == "training_backend" else "engine_decode"), {})
             if kind == "training_backend":
@@ -84,14 +87,18 @@ def counting_plugin_path(tmp_path_factory) -> str:
     return str(target)
 
 
-def _run(counting_plugin_path: str, tmp_path, kind: str, name: str, options: dict) -> tuple[dict, dict[int, int]]:
+def _run(counting_plugin_path: str, tmp_path, kind: str, name: str, options: dict,
+         stock_options: dict | None = None) -> tuple[dict, dict[int, int]]:
+    """The SCRIPT's result and each process's count of the plugin's calls; ``stock_options`` (over
+    ``options``) are for the stock run only."""
     counts = tmp_path / "counts"
     counts.mkdir()
     script = tmp_path / "run.py"
     script.write_text(SCRIPT)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([counting_plugin_path, os.environ.get("PYTHONPATH", "")])}
     env.pop("SKYRL_COUNTING_LINEAR_DIR", None)
-    out = subprocess.run([sys.executable, str(script), kind, name, json.dumps(options), str(counts)],
+    out = subprocess.run([sys.executable, str(script), kind, name, json.dumps(options), str(counts),
+                          json.dumps(stock_options or {})],
                          capture_output=True, text=True, timeout=900, env=env)
     assert out.returncode == 0, out.stderr[-4000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -143,7 +150,10 @@ def test_skyrl_torch_engine_calls_a_third_party_linear(counting_plugin_path, tmp
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_vllm_worker_processes_call_a_third_party_linear(counting_plugin_path, tmp_path):
-    result, calls = _run(counting_plugin_path, tmp_path, "inference_engine", "vllm", {"kv_cache_memory_bytes": 32 << 20, "max_model_len": 256})
+    # The stock run (the reference logprobs and tokens) in the driver's process: stock vLLM's numerics
+    # do not depend on where its worker runs, and it saves the engine core's and worker's start-ups.
+    result, calls = _run(counting_plugin_path, tmp_path, "inference_engine", "vllm",
+                         {"kv_cache_memory_bytes": 32 << 20, "max_model_len": 256}, {"multiprocess": False})
     _check_engine(result, calls)
     # Counted in vLLM's worker process, not in the driver: skyrl-vllm routed the worker's layers.
     assert result["pid"] not in calls
