@@ -24,14 +24,13 @@ pytest.importorskip("skyrl_megatron", reason="skyrl-megatron is not installed")
 from skyrl_isoexec.verify import verify_engines  # noqa: E402
 
 ENGINES = ("torch", "vllm")
-# vLLM in the verifying process: the same IsoExec layers and ops as its multiprocess mode (covered by
-# vllm/test_vllm_isoexec_cli.py and test_megatron_grpo.py), without two process start-ups per engine.
+# vLLM in the verifying process, every family: the same IsoExec layers and ops as its multiprocess
+# mode (covered by vllm/test_vllm_isoexec_cli.py and, with the Megatron trainer for Qwen3-Next,
+# test_megatron_grpo.py), without two process start-ups per engine.
 VLLM_IN_PROCESS = {"vllm": {"multiprocess": False}}
 # Qwen3-Next: stock vLLM-CPU computes GatedDeltaNet in bf16 only ("CPU GDN attention requires
 # BF16"), so with IsoExec off an fp32 vLLM engine cannot run this family at all: its negative control
-# is against skyrl-torch only (with IsoExec on, IsoExec's own GDN layer runs in fp32). vLLM
-# multiprocess, as users run it.
-VLLM_MULTIPROCESS_PRESETS = ("qwen3-next",)
+# is against skyrl-torch only (with IsoExec on, IsoExec's own GDN layer runs in fp32).
 NO_STOCK_FP32_VLLM = ("qwen3-next",)
 # (preset, tensor parallel, expert parallel); llama at TP 1 is test_cli_verify_megatron_against_both_engines.
 LAYOUTS = [
@@ -56,11 +55,12 @@ def test_both_engines_get_the_megatron_trainers_bits(preset, tensor_parallel, ex
         request.getfixturevalue("ray_session")
     layout = dict(engines=ENGINES, preset=preset, backend="megatron", tensor_parallel=tensor_parallel,
                   expert_parallel=expert_parallel, batches=1,
-                  engine_options=None if preset in VLLM_MULTIPROCESS_PRESETS else VLLM_IN_PROCESS)
+                  engine_options=VLLM_IN_PROCESS)
     printed: list[str] = []
     on = verify_engines(**layout, echo=printed.append)
     off_engines = ("torch",) if preset in NO_STOCK_FP32_VLLM else ENGINES
-    off = verify_engines(**{**layout, "engines": off_engines}, off=True, echo=lambda _: None)
+    off_options = {name: options for name, options in VLLM_IN_PROCESS.items() if name in off_engines}
+    off = verify_engines(**{**layout, "engines": off_engines, "engine_options": off_options}, off=True, echo=lambda _: None)
     assert list(on) == list(ENGINES) and list(off) == list(off_engines)
     for engine in ENGINES:
         assert on[engine].engine == engine and on[engine].tokens > 0
