@@ -49,6 +49,26 @@ class TestVLLMEngine(EngineContract):
 
         return make
 
+    @pytest.fixture(scope="class")
+    @classmethod
+    def engine(cls, engine_factory, model_config, prompts):
+        """The suite's shared engine. Its ``close`` is checked here, when the class ends, rather than
+        on a second engine (each start spawns an engine core and a worker: ~20 s): closed twice, it
+        leaves none of the processes or files it made, and refuses to generate."""
+        before = live_descendants()
+        engine = engine_factory(model_config, MODEL_SEED)
+        started = live_descendants() - before
+        (worker,) = engine.execution_contract()["workers"]
+        assert worker["pid"] in started and len(started) >= 2  # engine core + worker
+        workdir = engine._workdir  # the model written for vLLM, weight files
+        yield engine
+        engine.close()
+        engine.close()
+        assert live_descendants() & started == set()
+        assert not os.path.exists(workdir)
+        with pytest.raises(RuntimeError, match="closed"):
+            engine.generate([request(prompts[3], "c", max_tokens=2)])
+
     def test_bootstrap_ran_once_in_every_vllm_process(self, engine, probe):
         _, reports_dir = probe
         (worker,) = engine.execution_contract()["workers"]
@@ -80,19 +100,9 @@ class TestVLLMEngine(EngineContract):
         engine.update_weights(weights)
         assert len([f for f in os.listdir(engine._workdir) if f.endswith(".safetensors")]) == 1
 
-    def test_close_is_idempotent(self, engine_factory, model_config, prompts):
-        """The suite's check, plus: every process and file this engine made is gone after ``close``."""
-        before = live_descendants()
-        engine = engine_factory(model_config, MODEL_SEED)
-        started = live_descendants() - before
-        (worker,) = engine.execution_contract()["workers"]
-        assert worker["pid"] in started and len(started) >= 2  # engine core + worker
+    def test_close_is_idempotent(self, engine, prompts):
+        """Before the close the ``engine`` fixture checks at the class's end: the engine generates,
+        and the processes and directory that close must remove are there."""
         assert engine.generate([request(prompts[3], "c", max_tokens=2, seed=0)])[0][0].token_ids
-        workdir = engine._workdir  # the model written for vLLM, weight files
-        assert os.path.isdir(workdir)
-        engine.close()
-        engine.close()
-        assert live_descendants() & started == set()
-        assert not os.path.exists(workdir)
-        with pytest.raises(RuntimeError, match="closed"):
-            engine.generate([request(prompts[3], "c", max_tokens=2)])
+        (worker,) = engine.execution_contract()["workers"]
+        assert worker["pid"] in vllm_processes() and os.path.isdir(engine._workdir)

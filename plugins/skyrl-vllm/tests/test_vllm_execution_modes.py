@@ -31,8 +31,8 @@ def local_ray(tmp_path, monkeypatch):
     from skyrl_core.local_ray import ensure_local_ray
 
     # Ray's workers (the engine's actor, and vLLM's processes under it) take the environment of the
-    # process that starts Ray, now.
-    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))
+    # process that starts Ray, now: the session's isolated VLLM_CACHE_ROOT among it (a fresh one per
+    # test made every vLLM start inspect the model class in a subprocess again, ~8 s).
     if ray.is_initialized():
         ray.shutdown()
     ensure_local_ray(2)
@@ -56,7 +56,6 @@ def _train(tmp_path: Path, monkeypatch, mode: str, engine: dict, *, steps: int =
         return original(self, batch, loss_fn)
 
     monkeypatch.setattr(FSDPBackend, "forward_backward", recording)
-    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))
     options = {"kv_cache_memory_bytes": 32 << 20, "max_model_len": 512}
     config = {
         "model": {"config": TINY_QWEN3},

@@ -72,8 +72,9 @@ def test_an_sft_export_loads_in_vllm_and_generates_what_it_computes(tmp_path):
 
     script = tmp_path / "export_in_vllm.py"
     script.write_text(SCRIPT)
-    env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")}
-    out = subprocess.run([sys.executable, str(script), export], capture_output=True, text=True, timeout=900, env=env)
+    # The session's isolated VLLM_CACHE_ROOT is inherited (a fresh one per test cost a model-class
+    # inspection subprocess, ~8 s, at every vLLM start).
+    out = subprocess.run([sys.executable, str(script), export], capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["greedy"] == r["reference"]
