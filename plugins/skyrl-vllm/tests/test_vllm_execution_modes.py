@@ -145,8 +145,11 @@ def test_two_separate_vllm_replicas_synced_by_checkpoint_keep_episodes_on_their_
     monkeypatch.setattr(EngineRouter, "update_weights", checked_update)
     monkeypatch.setattr(EngineRouter, "route", recorded_route)
     train_rows = write_jsonl(prompt_rows(8, "counter_tool"), tmp_path / "counter.jsonl")
-    _train(tmp_path, monkeypatch, "sync", {"placement": "separate", "replicas": 2, "weight_sync": "checkpoint"},
-           steps=2, plugin_manager=fresh_plugin_manager, environment={"name": "counter_tool"},
+    # Each replica runs vLLM in its Ray actor's own process (multiprocess: false): sync mode never
+    # pauses mid-sample, and an engine core plus a worker per replica cost ~4 more process starts.
+    options = {"kv_cache_memory_bytes": 32 << 20, "max_model_len": 512, "multiprocess": False}
+    _train(tmp_path, monkeypatch, "sync",
+           {"placement": "separate", "replicas": 2, "weight_sync": "checkpoint", "options": options}, steps=2, plugin_manager=fresh_plugin_manager, environment={"name": "counter_tool"},
            data={"train": str(train_rows), "prompts_per_step": 2}, rollout={"max_turns": 2},
            generation={"max_new_tokens": 8, "n_samples": 2})
 
