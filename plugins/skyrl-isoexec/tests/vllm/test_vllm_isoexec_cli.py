@@ -1,7 +1,7 @@
 """``skyrl isoexec verify --engine vllm`` for real against the FSDP trainer, compared on bits; ``--off``
-shows the native mismatch. Every family in fp32 and bf16 gives 0 differing tokens. Qwen3 runs vLLM in
-its default multiprocess mode (engine core and worker in their own processes, IsoExec installed there
-by skyrl's vLLM bootstrap); the other families run it in the verifying process (``--engine-option
+shows the native mismatch. Every family in fp32 and bf16 gives 0 differing tokens. Qwen3 in fp32 runs vLLM
+in its default multiprocess mode (engine core and worker in their own processes, IsoExec installed
+there by skyrl's vLLM bootstrap); the other cases run it in the verifying process (``--engine-option
 multiprocess=false``): the same IsoExec layers and ops, without two process start-ups per case. The
 cases of one mode share one CLI process (repeated ``--preset`` / ``--dtype``: one start-up and import
 for all, each case reported on its own prefixed lines), which also checks that several in-process vLLM
@@ -27,7 +27,9 @@ DTYPES = ("float32", "bfloat16")
 def _verify(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict[str, tuple[int, int]], tuple[int, int]]:
     """The CLI's result, each case's (differing, tokens) by its ``PRESET DTYPE`` label, and the
     total line's (differing, tokens)."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")}
+    # The session's isolated VLLM_CACHE_ROOT is inherited: a fresh one per run made every vLLM start
+    # inspect the model class in a subprocess again (~8 s).
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     env.pop("SKYRL_ISOEXEC", None)
     result = subprocess.run(
         [sys.executable, "-m", "skyrl_core", "isoexec", "verify", "--engine", "vllm", "--batches", "2", *args],
@@ -41,23 +43,31 @@ def _verify(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict[str
 
 
 def _hashes(output: str) -> dict[str, tuple[str, str]]:
-    return {m[0]: (m[1], m[2]) for m in re.findall(r"^([\w-]+ \w+): isoexec on; contract hashes: trainer (\w+) engine (\w+)$", output, re.M)}
+    """Each case's (trainer, engine) contract hashes by label; a lone case's lines have no label ("")."""
+    return {m[0].removesuffix(": "): (m[1], m[2])
+            for m in re.findall(r"^((?:[\w-]+ \w+: )?)isoexec on; contract hashes: trainer (\w+) engine (\w+)$", output, re.M)}
 
 
 @pytest.mark.parametrize(
     ("presets", "mode"),
-    [(("qwen3",), ()), (("llama", "qwen3-moe", "qwen3-next"), IN_PROCESS)],
+    # Multiprocess: one case proves IsoExec is installed in vLLM's engine-core and worker processes
+    # (each multiprocess engine start is ~2 process start-ups); Qwen3's other dtype runs in-process.
+    [(("qwen3:float32",), ()), (("qwen3:bfloat16", "llama", "qwen3-moe", "qwen3-next"), IN_PROCESS)],
     ids=["multiprocess", "in-process"],
 )
 def test_verify_with_vllm_reports_zero_differing_tokens(tmp_path, presets, mode):
     preset_args = [a for p in presets for a in ("--preset", p)]
-    result, cases, total = _verify(tmp_path, *preset_args, "--dtype", DTYPES[0], "--dtype", DTYPES[1], *mode)
+    dtype_args = [a for d in DTYPES for a in ("--dtype", d)] if any(":" not in p for p in presets) else []
+    result, cases, total = _verify(tmp_path, *preset_args, *dtype_args, *mode)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    labels = [f"{p} {d}" for p in presets for d in DTYPES]
+    labels = [p.replace(":", " ") if ":" in p else f"{p} {d}" for p in presets for d in (DTYPES[:1] if ":" in p else DTYPES)]
+    hashes = _hashes(result.stdout)
+    if len(labels) == 1:  # a lone case is reported without a label: its lines are the total's
+        assert cases == {} and list(hashes) == [""], result.stdout
+        cases, hashes = {labels[0]: total}, {labels[0]: hashes[""]}
     assert list(cases) == labels, result.stdout  # every case ran and reported, in order
     assert all(differing == 0 < tokens for differing, tokens in cases.values()), cases
     assert total == (0, sum(tokens for _, tokens in cases.values()))
-    hashes = _hashes(result.stdout)
     assert list(hashes) == labels and all(trainer == engine for trainer, engine in hashes.values()), result.stdout
     assert "contract:" not in result.stdout  # no handshake problem, fingerprints included
 
