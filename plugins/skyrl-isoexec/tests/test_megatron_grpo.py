@@ -23,7 +23,8 @@ def _grpo(tmp_path: Path, monkeypatch, preset_name: str) -> list[dict]:
     from skyrl_isoexec import state
     from skyrl_isoexec.presets import preset
 
-    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))
+    # vLLM's cache: the session's isolated one (a fresh one per test cost a model-class inspection
+    # subprocess at every engine start, ~8 s).
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv(state.ENV_VAR, "0")  # restored after the test (train() sets it for vLLM's workers)
     config = {

@@ -41,9 +41,10 @@ LAYOUTS = [
 
 
 @pytest.fixture
-def vllm_env(tmp_path, monkeypatch):
+def vllm_env():
     pytest.importorskip("vllm")
-    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))
+    # vLLM's cache is the session's isolated one (skyrl_core.testing.suite_environment): a fresh one
+    # per test re-ran vLLM's model-class inspection subprocess at every engine start (~8 s).
 
 
 @pytest.mark.slow

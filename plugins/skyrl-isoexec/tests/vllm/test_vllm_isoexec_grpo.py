@@ -26,7 +26,8 @@ def _run(tmp_path: Path, monkeypatch, *, enabled: bool, skip: bool, steps: int =
     from skyrl_core.testing.runs import train_config_dict
     from skyrl_isoexec import state
 
-    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))
+    # vLLM's cache: the session's isolated one (a fresh one per test cost a model-class inspection
+    # subprocess at every engine start, ~8 s).
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     # train() switches IsoExec on through this variable (for vLLM's workers) and state.configure(None)
     # leaves it set: have monkeypatch restore it after the test (setenv records its absence; delenv of
