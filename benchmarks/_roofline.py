@@ -169,6 +169,8 @@ class Roofline:
         (a busy machine only ever lowers them)."""
         import torch
 
+        from skyrl_core.ops.onednn import computes as onednn_computes
+
         previous = torch.get_num_threads()
         torch.set_num_threads(self.threads)
         started = time.perf_counter()
@@ -178,7 +180,9 @@ class Roofline:
                     flops = 2 * shape[0] * shape[1] * shape[2]
                     for dtype in self.dtypes:
                         for library in LIBRARIES[dtype]:
-                            rate = _rate(_product(dtype, library, *shape), flops, repeats)
+                            # 0: oneDNN has no bf16 products on this CPU (AVX2 only: no primitive)
+                            runs = library != "onednn" or onednn_computes(getattr(torch, dtype))
+                            rate = _rate(_product(dtype, library, *shape), flops, repeats) if runs else 0.0
                             key = (dtype, library, shape)
                             self.rates[key] = max(rate, self.rates.get(key, 0.0))
         finally:
@@ -204,7 +208,10 @@ class Roofline:
     def floor(self, dtype: str, library: str | None = None) -> float:
         """Seconds the work's products take at the measured rates (``library`` None: the fastest
         library at each shape)."""
-        return sum(g.flops / (self._rate_at(dtype, library, g) * 1e9) for g in self.gemms)
+        rates = [self._rate_at(dtype, library, g) for g in self.gemms]
+        if not all(rates):  # a library that cannot run this dtype here
+            return float("inf")
+        return sum(g.flops / (rate * 1e9) for g, rate in zip(self.gemms, rates))
 
     def peak(self, dtype: str, library: str | None = None) -> float:
         """GFLOP/s of the whole work at its floor."""

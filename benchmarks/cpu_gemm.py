@@ -66,7 +66,7 @@ def gemm_rates(repeats: int) -> None:
     import torch
     import torch.nn.functional as F
 
-    from skyrl_core.ops.onednn import mm_nt
+    from skyrl_core.ops.onednn import computes, mm_nt
 
     class OneDNNProducts(torch.autograd.Function):
         """All three products on oneDNN's inner product, in any dtype (skyrl's linear: fp32 only)."""
@@ -85,6 +85,9 @@ def gemm_rates(repeats: int) -> None:
 
     paths = {"fp32 torch": (torch.float32, F.linear), "fp32 onednn": (torch.float32, onednn),
              "bf16 torch": (torch.bfloat16, F.linear), "bf16 onednn": (torch.bfloat16, onednn)}
+    if not computes(torch.bfloat16):
+        del paths["bf16 onednn"]
+        print("oneDNN has no bf16 products on this CPU (AVX2 only): bf16 onednn not measured")
     print("GFLOP/s of forward + both backward products (fp32 torch = MKL, bf16 torch = ATen's oneDNN matmul):")
     print(f"{'shape':10} {'rows x in x out':>18} " + " ".join(f"{name:>12}" for name in paths))
     seconds = {name: 0.0 for name in paths}
@@ -113,10 +116,11 @@ def gemm_rates(repeats: int) -> None:
     total = 3 * 2 * sum(m * k * n for m, k, n in SHAPES.values())
     overall = {path: total / s / 1e9 for path, s in seconds.items()}
     print(f"{'all':10} {'(FLOP-weighted)':>18} " + " ".join(f"{overall[p]:12.1f}" for p in paths))
+    bf16_onednn = overall.get("bf16 onednn", 0.0)
     print(f"fp32: onednn / torch {overall['fp32 onednn'] / overall['fp32 torch']:.2f}x; "
-          f"bf16: onednn / torch {overall['bf16 onednn'] / overall['bf16 torch']:.2f}x; "
-          f"best bf16 / best fp32 {max(overall['bf16 onednn'], overall['bf16 torch']) / max(overall['fp32 onednn'], overall['fp32 torch']):.2f}x; "
-          f"faster bf16 path here: {'onednn' if overall['bf16 onednn'] > overall['bf16 torch'] else 'torch'}")
+          f"bf16: onednn / torch {bf16_onednn / overall['bf16 torch']:.2f}x; "
+          f"best bf16 / best fp32 {max(bf16_onednn, overall['bf16 torch']) / max(overall['fp32 onednn'], overall['fp32 torch']):.2f}x; "
+          f"faster bf16 path here: {'onednn' if bf16_onednn > overall['bf16 torch'] else 'torch'}")
 
 
 def fsdp_steps(repeats: int, layers: int) -> dict[str, float]:

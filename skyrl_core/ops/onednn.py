@@ -94,6 +94,15 @@ def bf16_supported() -> bool:
     return available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def computes(dtype: torch.dtype) -> bool:
+    """Whether ``mm_nt`` runs products in ``dtype`` on this CPU: fp32 wherever oneDNN is available,
+    bf16 only where ``bf16_supported`` (on an AVX2-only CPU oneDNN has no bf16 inner product: it
+    fails to create the primitive, so such a runtime must take torch's products)."""
+    if dtype == torch.float32:
+        return available()
+    return dtype == torch.bfloat16 and bf16_supported()
+
+
 def prepack_if_same_bits(weight: torch.Tensor, linear_fn) -> torch.Tensor | None:
     """``prepack(weight)`` when ``linear_fn(x, packed)`` gives ``linear_fn(x, weight)``'s bits on a
     probe (for a linear whose bits are a contract), else None, also where ``linear_fn`` cannot

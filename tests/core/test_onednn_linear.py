@@ -107,3 +107,17 @@ def test_bf16_prepack_is_opt_in_and_gives_the_plain_weights_bits():
     assert packed.is_mkldnn and not w.is_mkldnn
     with pytest.raises(NotImplementedError):
         torch.mm(x, packed.t())
+
+
+def test_computes_names_the_dtypes_onednn_multiplies_on_this_cpu():
+    """fp32 wherever oneDNN is available, bf16 only where it has bf16 products (AVX-512 or newer):
+    on an AVX2-only CPU creating a bf16 inner product fails, which ``computes`` must foresee."""
+    assert onednn.computes(torch.float32) == onednn.available()
+    assert onednn.computes(torch.bfloat16) == onednn.bf16_supported()
+    assert not onednn.computes(torch.float16)
+    x, w = torch.randn(4, 32).bfloat16(), torch.randn(8, 32).bfloat16()
+    if onednn.computes(torch.bfloat16):
+        assert onednn.mm_nt(x, w).shape == (4, 8)
+    else:  # what the engine's choice avoids
+        with pytest.raises(RuntimeError, match="primitive descriptor"):
+            onednn.mm_nt(x, w)

@@ -41,10 +41,11 @@ from skyrl_core.compute_share import trainer_computing
 from skyrl_core.heap import keep_freed_memory, release_freed_memory
 from skyrl_core.models import load_causal_lm, load_tokenizer
 from skyrl_core.ops import prepare_model, site_scope, token_logprobs
+from skyrl_core.ops.onednn import computes as onednn_computes
 from skyrl_core.types import GeneratedSample, GenerationRequest
 from skyrl_torch.installed_ops_decoder import InstalledOpsDecoder, missing_ops
 from skyrl_torch.kv_cache import SlotKVCache
-from skyrl_torch.native_decoder import NativeDecoder, onednn_available, unsupported_reason
+from skyrl_torch.native_decoder import NativeDecoder, unsupported_reason
 from skyrl_torch.options import TorchEngineOptions
 from skyrl_torch.sampling import RowSampling, choose_tokens, sample_seed
 
@@ -158,6 +159,9 @@ class TorchEngine:
             self._drive(ticket)
         if ticket.error is not None:
             raise RuntimeError(f"generation failed: {ticket.error}") from ticket.error
+        unfinished = [s.request.request_id for group in samples for s in group if s.stop_reason is None]
+        if unfinished:  # a scheduler bug, never returned as samples cut short
+            raise RuntimeError(f"generation ended with unfinished samples of requests {sorted(set(unfinished))}")
         return [[self._finish(s) for s in group] for group in samples]
 
     def pause(self) -> None:
@@ -280,6 +284,7 @@ class TorchEngine:
         beside_training = self.options.threads_beside_training
         if own_threads != caller_threads:
             torch.set_num_threads(own_threads)
+        admitted: list[list[_Sample]] = []  # between the scheduler's lists: neither waiting nor active
         try:
             with torch.inference_mode():
                 while True:
@@ -303,14 +308,17 @@ class TorchEngine:
                     self._iterate(admitted)
         except BaseException as exc:  # every sample in flight is lost with the cache's state
             with self._lock:
-                for s in [*self._active.values(), *itertools.chain.from_iterable(self._waiting)]:
+                in_flight = [*self._active.values(), *itertools.chain.from_iterable(self._waiting),
+                             *itertools.chain.from_iterable(admitted)]  # admitted: a prefill that raised
+                for s in in_flight:
                     s.ticket.error = exc
                 self._active.clear()
                 self._waiting.clear()
                 self._cache, self._free, self._layout = None, [], None
-            if ticket.error is exc:
-                ticket.error = None
-                raise
+            # This caller's samples were unfinished (it drives until they are done): it gets the
+            # error itself, never samples cut short. The other callers get it through their tickets.
+            ticket.error = None
+            raise
         finally:
             if torch.get_num_threads() != caller_threads:
                 torch.set_num_threads(caller_threads)
@@ -534,7 +542,7 @@ class TorchEngine:
             token_ids=s.token_ids,
             logprobs=s.logprobs,
             text=text,
-            stop_reason=s.stop_reason or "length",
+            stop_reason=s.stop_reason,
             token_versions=s.versions,
         )
 
@@ -618,7 +626,8 @@ class TorchEngine:
             return None
         reason = unsupported_reason(self.model)
         if reason is None and _stock_ops(self.ledger):
-            use_onednn = self.options.cpu_gemm == "onednn" and self.options.device == "cpu" and onednn_available()
+            # oneDNN where it computes the model's dtype here (bf16 needs AVX-512 or newer); else torch's
+            use_onednn = self.options.cpu_gemm == "onednn" and self.options.device == "cpu" and onednn_computes(self.model.dtype)
             return NativeDecoder(self.model, gemm="onednn" if use_onednn else "torch", prepack_weights=self.options.prepack_weights)
         if reason is None:
             missing = missing_ops(self.ledger)

@@ -48,7 +48,8 @@ class TorchEngineOptions:
         validator=one_of(*CPU_GEMMS),
         metadata={
             "help": "matrix products of the native implementation on CPU: onednn (fp32, often several times faster "
-            "than torch's BLAS at decode batch sizes) or torch (F.linear); falls back to torch without oneDNN"
+            "than torch's BLAS at decode batch sizes) or torch (F.linear); falls back to torch without oneDNN, and for a bf16 "
+            "model on a CPU where oneDNN has no bf16 products (AVX2 only)"
         },
     )
     prepack_weights: bool = attrs.field(
