@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from skyrl_core.ops.onednn import bf16_supported
 from skyrl_isoexec.parity import DTYPES, FAMILIES, build_model, decode_logprobs, differing, full_logprobs, random_sequences
 
 LENGTHS = (7, 19, 3, 26)
 
 
-def _mismatches(family: str, dtype: str, enabled: bool) -> dict[str, int]:
+def _mismatches(family: str, dtype: str, enabled: bool) -> tuple[dict[str, int], list[torch.Tensor]]:
+    """Differing logprobs of each comparison, and the trainer's batched logprobs."""
     wide = dtype == "bfloat16"
     sequences = random_sequences(LENGTHS)
     trainer, trainer_ledger = build_model(family, dtype, enabled=enabled, role="trainer", wide=wide)
@@ -26,17 +28,24 @@ def _mismatches(family: str, dtype: str, enabled: bool) -> dict[str, int]:
         "batched vs reordered": differing(batched, reordered),
         "trainer full forward vs engine decode": differing(batched, decoded),
         "engine decode vs chunked prefill": differing(decoded, chunked),
-    }
+    }, batched
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_batch_invariance_and_prefill_vs_decode(family, dtype):
-    on = _mismatches(family, dtype, enabled=True)
+    on, on_logprobs = _mismatches(family, dtype, enabled=True)
     assert on == {k: 0 for k in on}, on
-    off = _mismatches(family, dtype, enabled=False)
+    off, off_logprobs = _mismatches(family, dtype, enabled=False)
+    # Control: IsoExec's path is really taken (its bits are not stock's).
+    assert differing(on_logprobs, off_logprobs) > 0
     # Negative control: the stock numerics really differ between the trainer and engine paths.
-    assert off["trainer full forward vs engine decode"] > 0, off
+    # Except in bf16 without oneDNN bf16 (an AVX2-only CPU): there torch's bf16 products are its own
+    # fp32-accumulated loops, one output at a time, and the stock paths of qwen3, llama and qwen3-moe
+    # agree at these shapes (measured on an AMD EPYC with AVX2; qwen3-next's still differ), so
+    # there may be no mismatch to show; the control above holds everywhere.
+    if dtype == "float32" or bf16_supported():
+        assert off["trainer full forward vs engine decode"] > 0, off
 
 
 @pytest.mark.parametrize("family", FAMILIES)
