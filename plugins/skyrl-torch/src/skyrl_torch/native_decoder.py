@@ -35,7 +35,6 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from skyrl_core.ops.onednn import available as onednn_available
 from skyrl_core.ops.onednn import computes as onednn_computes
 from skyrl_core.ops.onednn import mm_nt, mm_nt_add, prepack
 from skyrl_torch.kv_cache import SlotKVCache
@@ -182,10 +181,9 @@ class NativeDecoder:
             raise NotImplementedError(f"NativeDecoder cannot run this model: {reason}")
         if gemm not in GEMMS:
             raise ValueError(f"gemm must be one of {', '.join(GEMMS)}; got {gemm!r}")
-        if gemm == "onednn" and not onednn_available():
-            raise ValueError("gemm='onednn' needs a PyTorch built with oneDNN (mkldnn)")
         if gemm == "onednn" and not onednn_computes(model.dtype):
-            raise ValueError(f"gemm='onednn': oneDNN has no {model.dtype} products on this CPU (bf16 needs AVX-512 or newer); use gemm='torch'")
+            raise ValueError(f"gemm='onednn' needs oneDNN products in {model.dtype} here: a PyTorch built with oneDNN "
+                             "(mkldnn), and for bf16 a CPU with AVX-512 or newer; use gemm='torch'")
         self.gemm = gemm
         self._linear = mm_nt if gemm == "onednn" else _torch_linear
         self._residual_linear = _onednn_residual_linear if gemm == "onednn" else _torch_residual_linear
