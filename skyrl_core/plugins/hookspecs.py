@@ -303,6 +303,19 @@ def skyrl_on_run_end(metrics: dict[str, float], run_dir: str) -> None:
     """The run ended normally with its final ``metrics``."""
 
 
+@hookspec
+def skyrl_on_run_exit(run_dir: str) -> None:
+    """The run that ``skyrl_on_run_start`` began for ``run_dir`` is over, however it ended (normally,
+    by an error, by an interrupt), and its runtimes are closed.
+
+    A plugin undoes here what it adopted for this process at ``skyrl_on_run_start`` (a switch, an
+    environment variable for the processes the run started), so that a second run in the same
+    process (a notebook, a test session) starts from the state the first one started from. Called
+    even when ``skyrl_on_run_start`` raised, so an implementation must accept a run it adopted nothing
+    for. Must not raise.
+    """
+
+
 # --- CLI -------------------------------------------------------------------------------------------
 
 

@@ -70,6 +70,7 @@ def run_evaluation(cfg: Config, *, checkpoint: str | None = None, output: str | 
     with contextlib.ExitStack() as closing:
         # Plugins adopt the config (IsoExec switches on here); loggers are the training runs' only.
         quiet = attrs.evolve(cfg, trainer=attrs.evolve(cfg.trainer, loggers=("jsonl",)))
+        closing.callback(pm.hook.skyrl_on_run_exit, run_dir=os.path.dirname(out_path))  # after the engine closes
         pm.hook.skyrl_on_run_start(config=quiet, run_dir=os.path.dirname(out_path))
         engine = closing.enter_context(contextlib.closing(build_engine(pm, cfg, model)))
         if checkpoint_dir is not None:

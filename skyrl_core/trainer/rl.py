@@ -125,7 +125,9 @@ def train(cfg: Config, *, plugin_manager: SkyrlPluginManager | None = None) -> R
         activity = RunActivity(os.path.join(run_dir, METRICS_FILE), passes_through=(NonFiniteTrainingError,))
         closing.push(activity.on_exit)
         closing.callback(set_trainer_computing, False)
-        # Plugins adopt the run's config first: IsoExec must be on before runtimes install their ops.
+        # Plugins adopt the run's config first: IsoExec must be on before runtimes install their ops;
+        # they give it back last, after the runtimes are closed, however the run ends.
+        closing.callback(pm.hook.skyrl_on_run_exit, run_dir=run_dir)
         pm.hook.skyrl_on_run_start(config=cfg, run_dir=run_dir)
         # engine.placement=separate: a Ray placement group for the trainer ranks and the engine processes
         placement = start_placement(cfg.engine)

@@ -200,6 +200,7 @@ def sft(cfg: Config, *, plugin_manager: SkyrlPluginManager | None = None) -> SFT
         return build_sft_batch(samples, pad_id, pack=options.pack, max_length=options.max_length)[0]
 
     with contextlib.ExitStack() as closing:
+        closing.callback(pm.hook.skyrl_on_run_exit, run_dir=run_dir)  # after the runtimes close
         pm.hook.skyrl_on_run_start(config=cfg, run_dir=run_dir)
         backend = closing.enter_context(contextlib.closing(build_backend(pm, cfg, model)))
         if options.pack and not getattr(backend, "packed_rows", False):

@@ -62,6 +62,65 @@ def test_run_start_mirrors_the_decision_into_the_variable_for_child_processes(mo
         state.configure(saved)
 
 
+def test_run_exit_gives_the_switch_back(monkeypatch):
+    """``skyrl_on_run_exit`` undoes ``skyrl_on_run_start``: the variable and the explicit config as
+    they were (absent / off here, and set / on for a run inside a run), and a run that adopted
+    nothing is a no-op."""
+    from skyrl_isoexec import state
+    from skyrl_isoexec.config import IsoExecConfig
+
+    pm = get_plugin_manager()
+    monkeypatch.delenv("SKYRL_ISOEXEC", raising=False)
+    saved = state.configure(None)
+    try:
+        class On:
+            plugins = {"isoexec": IsoExecConfig(enabled=True)}
+
+        class Off:
+            plugins = {"isoexec": IsoExecConfig(enabled=False)}
+
+        pm.hook.skyrl_on_run_start(config=On(), run_dir="/runs/outer")
+        assert os.environ["SKYRL_ISOEXEC"] == "1" and state.enabled()
+        pm.hook.skyrl_on_run_start(config=Off(), run_dir="/runs/inner")
+        assert "SKYRL_ISOEXEC" not in os.environ and not state.enabled()
+        pm.hook.skyrl_on_run_exit(run_dir="/runs/inner")
+        assert os.environ["SKYRL_ISOEXEC"] == "1" and state.enabled()
+        pm.hook.skyrl_on_run_exit(run_dir="/runs/never-started")
+        assert os.environ["SKYRL_ISOEXEC"] == "1" and state.enabled()
+        pm.hook.skyrl_on_run_exit(run_dir="/runs/outer")
+        assert "SKYRL_ISOEXEC" not in os.environ and not state.enabled()
+    finally:
+        state.configure(saved)
+
+
+def test_a_run_that_fails_gives_the_switch_back_to_the_next_run_in_the_process(tmp_path, monkeypatch, fresh_plugin_manager):
+    """``train`` with ``isoexec.enabled=true`` turns IsoExec on for its runtimes; when it stops with
+    an error (here building the backend), the process is as before: the variable unset, IsoExec
+    off, and the next config built in the process resolves ``isoexec.enabled`` to false."""
+    import skyrl_core.trainer.rl as rl
+    from skyrl_isoexec import state
+    from tests.e2e.tiny_run import write_tiny_config
+    from tests.rollout.envs import TestEnvironments
+
+    fresh_plugin_manager.register_plugin(TestEnvironments(), "test-envs")
+    monkeypatch.delenv("SKYRL_ISOEXEC", raising=False)
+    seen = {}
+
+    def refusing_backend(*args, **kwargs):
+        seen["variable"], seen["enabled"] = os.environ.get("SKYRL_ISOEXEC"), state.enabled()
+        raise RuntimeError("no backend today")
+
+    monkeypatch.setattr(rl, "build_backend", refusing_backend)
+    config = str(write_tiny_config(tmp_path, steps=1))
+    cfg = load_config(config, ["isoexec.enabled=true", f"trainer.output_dir={tmp_path / 'run'}"],
+                      plugin_manager=fresh_plugin_manager)
+    with pytest.raises(RuntimeError, match="no backend today"):
+        rl.train(cfg, plugin_manager=fresh_plugin_manager)
+    assert seen == {"variable": "1", "enabled": True}  # on while the run built its runtimes
+    assert "SKYRL_ISOEXEC" not in os.environ and not state.enabled()
+    assert load_config(config, plugin_manager=fresh_plugin_manager).plugins["isoexec"].enabled is False
+
+
 @pytest.mark.slow
 def test_the_variable_alone_turns_isoexec_on_in_skyrl_train(tmp_path):
     """``SKYRL_ISOEXEC=1 skyrl train CONFIG`` (no isoexec section): trainer and engine logprobs agree

@@ -34,17 +34,16 @@ def contract_show(config_path: str, overrides: tuple[str, ...]) -> None:
     from skyrl_isoexec.contract import compare, declared_contract
 
     cfg = load_config_or_exit(config_path, list(overrides))
-    section = cfg.plugins.get("isoexec")
-    if section is not None:
-        state.configure(section)
-    contracts = {role: declared_contract(cfg, role) for role in ("trainer", "engine")}
+    with state.adopted(cfg.plugins.get("isoexec")):
+        contracts = {role: declared_contract(cfg, role) for role in ("trainer", "engine")}
+        enabled = state.enabled()
     click.echo(json.dumps(contracts, indent=2, sort_keys=True))
     for role, contract in contracts.items():
         click.echo(f"{role} hash: {contract['hash']}")
     problems = compare(contracts["trainer"], contracts["engine"])
     for problem in problems:
         click.echo(f"mismatch: {problem}")
-    if not state.enabled():
+    if not enabled:
         click.echo("isoexec is off for this config (isoexec.enabled: true or SKYRL_ISOEXEC=1 turns it on)")
     sys.exit(1 if problems else 0)
 

@@ -65,9 +65,15 @@ def skyrl_on_run_start(config, run_dir):
     """Adopt the run's ``isoexec:`` section (exported to processes started afterwards)."""
     from skyrl_isoexec import state
 
-    section = (getattr(config, "plugins", None) or {}).get("isoexec")
-    if section is not None:
-        state.configure(section)
+    state.adopt((getattr(config, "plugins", None) or {}).get("isoexec"), run_dir)
+
+
+@hookimpl
+def skyrl_on_run_exit(run_dir):
+    """The run is over: IsoExec's switch and ``SKYRL_ISOEXEC`` go back to what they were before it."""
+    from skyrl_isoexec import state
+
+    state.release(run_dir)
 
 
 @hookimpl

@@ -9,6 +9,7 @@ engine workers) agree with this one. The precedence rule itself is in ``skyrl_is
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 from typing import Iterator
 
@@ -44,16 +45,51 @@ def enabled() -> bool:
     return current().enabled
 
 
+_scopes = itertools.count()
+
+# What each run adopted over (``adopt``), by run directory: ``release`` puts it back.
+_adopted: dict[str, list[tuple[IsoExecConfig | None, str | None]]] = {}
+
+
+def adopt(config: IsoExecConfig | dict | None, run: str) -> None:
+    """``configure(config)`` for the run ``run`` (its directory) until ``release(run)``; None keeps
+    the present state. A run ends with ``release`` however it ends (``skyrl_on_run_exit``), so a
+    second run in the same process (a notebook, a test session) starts where the first one did,
+    not with the first one's switch still on."""
+    _adopted.setdefault(run, []).append((_config, os.environ.get(ENV_VAR)))
+    if config is not None:
+        configure(config)
+
+
+def release(run: str) -> None:
+    """Undo ``adopt(..., run)``: the explicit config and ``SKYRL_ISOEXEC`` as they were before it
+    (nothing if ``run`` adopted nothing)."""
+    stack = _adopted.get(run)
+    if not stack:
+        return
+    previous, saved_env = stack.pop()
+    if not stack:
+        del _adopted[run]
+    configure(previous)
+    if saved_env is None:
+        os.environ.pop(ENV_VAR, None)
+    else:
+        os.environ[ENV_VAR] = saved_env
+
+
 @contextlib.contextmanager
 def enabled_scope(on: bool) -> Iterator[None]:
     """Run the body with IsoExec forced on or off (runtimes prepared inside keep what they got)."""
-    saved_env = os.environ.get(ENV_VAR)
-    previous = configure(IsoExecConfig(enabled=on))
+    with adopted(IsoExecConfig(enabled=on)):
+        yield
+
+
+@contextlib.contextmanager
+def adopted(config: IsoExecConfig | dict | None) -> Iterator[None]:
+    """``adopt`` for the body only."""
+    scope = f"<scope {next(_scopes)}>"
+    adopt(config, scope)
     try:
         yield
     finally:
-        configure(previous)
-        if saved_env is None:
-            os.environ.pop(ENV_VAR, None)
-        else:
-            os.environ[ENV_VAR] = saved_env
+        release(scope)
