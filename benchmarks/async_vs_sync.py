@@ -61,7 +61,7 @@ import time
 from typing import Any
 
 from skyrl_core import weight_sync
-from skyrl_core.backends.ray_actors import free_port
+from skyrl_core.ports import free_port
 from skyrl_core.plugins import hookimpl
 from skyrl_core.plugins.records import EnvironmentSpec
 from skyrl_core.types import StepResult

@@ -210,7 +210,7 @@ class RemoteEngine:
 
     def _broadcast_group(self) -> Any:
         if self._group is None:
-            from skyrl_core.backends.ray_actors import free_port
+            from skyrl_core.ports import free_port
 
             port = free_port()
             joining = self.actor.join_broadcast.remote("127.0.0.1", port)

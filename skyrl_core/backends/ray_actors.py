@@ -6,15 +6,7 @@ for it: these helpers raise the first failure at once instead of waiting for eve
 
 from __future__ import annotations
 
-import socket
 from typing import Any, Sequence
-
-
-def free_port() -> int:
-    """A free TCP port on loopback, for the ranks' rendezvous (``tcp://127.0.0.1:<port>``)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def gather(refs: Sequence[Any], timeout: float | None = None, *, what: str = "ranks") -> list[Any]:

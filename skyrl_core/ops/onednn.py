@@ -80,9 +80,9 @@ def prepack(weight: torch.Tensor, *, bf16: bool = False) -> torch.Tensor | None:
     when the weight changes. bf16 is opt-in: only ``mm_nt`` reads it, while a linear that computes
     bf16 with ``torch.mm`` (IsoExec's canonical one) would read a packed weight as a plain one.
     """
-    if weight.device.type != "cpu" or not available():
+    if weight.device.type != "cpu" or weight.dtype not in ((torch.float32, torch.bfloat16) if bf16 else (torch.float32,)):
         return None
-    if weight.dtype != torch.float32 and not (bf16 and weight.dtype == torch.bfloat16 and bf16_supported()):
+    if not computes(weight.dtype):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS_HINT)
 

@@ -22,7 +22,7 @@ def test_engine_actor_in_process_takes_weights_by_broadcast_and_checkpoint_bit_e
     """The actor's side without Ray (the same object Ray hosts): a trainer thread broadcasts."""
     import threading
 
-    from skyrl_core.backends.ray_actors import free_port
+    from skyrl_core.ports import free_port
     from skyrl_core.engine_actor import EngineActor
     from skyrl_core.weight_sync import gloo_pair, manifest_of, send_by_broadcast, write_checkpoint
 

@@ -7,7 +7,7 @@ import threading
 
 import torch
 
-from skyrl_core.backends.ray_actors import free_port
+from skyrl_core.ports import free_port
 from skyrl_core.weight_sync import (gloo_pair, manifest_of, read_checkpoint, receive_by_broadcast, send_by_broadcast,
                                     weights_digest, write_checkpoint)
 

@@ -80,3 +80,35 @@ def test_a_failing_loss_closes_the_backend_instead_of_hanging(ray_session):
     with pytest.raises(RuntimeError, match="closed"):
         backend.forward(batch)
     backend.close()
+
+
+def test_ranks_start_again_on_another_port_when_theirs_was_taken(ray_session, monkeypatch):
+    """The rendezvous port is chosen free, then bound by rank 0 in its own process; when another
+    process took it in between (here: a socket this test holds), rank 0's store fails with
+    EADDRINUSE through Ray, and the ranks start again on a new port. The first port is the taken
+    one, so the retry is what makes this backend start."""
+    import socket
+
+    import skyrl_core.ports as ports
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    taken = holder.getsockname()[1]
+    chosen: list[int] = []
+    original = ports.free_port
+
+    def taken_first() -> int:
+        chosen.append(taken if not chosen else original())
+        return chosen[-1]
+
+    monkeypatch.setattr(ports, "free_port", taken_first)
+    batch = make_batch(*random_sequences((4,), (3,), vocab_size=512))
+    try:
+        with FSDPBackend(ModelConfig(config=dict(TINY_QWEN3)), FSDPOptions(world_size=2, device="cpu"),
+                         trainer=TrainerConfig(micro_batch_size=2)) as backend:
+            logprobs = backend.forward(batch)
+    finally:
+        holder.close()
+    assert len(chosen) == 2 and chosen[0] == taken != chosen[1]
+    assert torch.isfinite(logprobs).all() and logprobs.numel() > 0

@@ -4,7 +4,6 @@ same op on the full transformers shapes in one process; megatron's own partial s
 and all-reduce of zeros (embedding) do not. Gradients are the full computation's, sliced."""
 
 import os
-import socket
 import types
 
 import pytest
@@ -18,6 +17,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 from skyrl_core.ops import OpLedger, site_scope  # noqa: E402
 from skyrl_core.ops.dispatch import OpDispatch  # noqa: E402
 from skyrl_core.plugins.records import OpImplSpec  # noqa: E402
+from skyrl_core.ports import on_a_free_port  # noqa: E402
 from skyrl_megatron import ops_sites  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -134,12 +134,6 @@ def _worker(rank: int, port: int, out: dict) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int32)
 
@@ -148,7 +142,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def results():
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_worker, args=(_free_port(), out), nprocs=TP, join=True)
+        on_a_free_port(lambda port: mp.spawn(_worker, args=(port, out), nprocs=TP, join=True))
         return dict(out)
 
 

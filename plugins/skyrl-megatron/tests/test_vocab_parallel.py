@@ -2,12 +2,12 @@
 full-vocabulary computation (values and gradients)."""
 
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from skyrl_core.ports import on_a_free_port
 from skyrl_megatron import logprobs as vp
 
 VOCAB = 37  # real entries; the two ranks hold 20 each, the last 3 are padding
@@ -47,16 +47,11 @@ def _worker(rank: int, port: int, out: dict) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def test_two_ranks_compute_the_full_vocabulary_result():
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_worker, args=(_free_port(), out), nprocs=2, join=True)
+        on_a_free_port(lambda port: mp.spawn(_worker, args=(port, out), nprocs=2, join=True))
         results = dict(out)
     picked, entropy, grad = _reference()
     logits, _, _ = _inputs()

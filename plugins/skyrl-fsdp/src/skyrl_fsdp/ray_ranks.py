@@ -17,7 +17,8 @@ import attrs  # noqa: E402
 import ray  # noqa: E402
 
 from skyrl_core.backends import ray_actors  # noqa: E402
-from skyrl_core.backends.ray_actors import free_port, kill  # noqa: E402
+from skyrl_core.backends.ray_actors import kill  # noqa: E402
+from skyrl_core.ports import on_a_free_port  # noqa: E402
 from skyrl_core.local_ray import adopt_skyrl_environment, ensure_local_ray, skyrl_environment  # noqa: E402
 from skyrl_core.ray_placement import trainer_actor_options  # noqa: E402
 
@@ -80,22 +81,26 @@ def start_ranks(model: Any, options: Any, trainer: Any, *, seed: int, use_gpu: b
     # Hosts reserve no logical CPU: a run holds several backends at once (policy, reference) and
     # threads_per_rank, not Ray's bookkeeping, decides how many cores a rank uses.
     host_class = _RemoteRankHost.options(num_gpus=1 if use_gpu else 0, **(placed or {}))
-    hosts = [idle.pop() if idle else host_class.remote() for _ in range(world_size)]
-    if placed is not None:  # they go with their placement group: never reused after it
-        _placed_hosts.update(host._actor_id.hex() for host in hosts)
-    init_method = f"tcp://127.0.0.1:{free_port()}"
-    try:
-        gather(
-            [
-                host.start.remote(skyrl_environment(), model, options, trainer, seed=seed, rank=rank, world_size=world_size, init_method=init_method)
-                for rank, host in enumerate(hosts)
-            ],
-            timeout=READY_TIMEOUT_S,
-        )
-    except BaseException:
-        kill(hosts)
-        raise
-    return hosts
+
+    def start_on(port: int) -> list[Any]:
+        hosts = [idle.pop() if idle else host_class.remote() for _ in range(world_size)]
+        if placed is not None:  # they go with their placement group: never reused after it
+            _placed_hosts.update(host._actor_id.hex() for host in hosts)
+        init_method = f"tcp://127.0.0.1:{port}"
+        try:
+            gather(
+                [
+                    host.start.remote(skyrl_environment(), model, options, trainer, seed=seed, rank=rank, world_size=world_size, init_method=init_method)
+                    for rank, host in enumerate(hosts)
+                ],
+                timeout=READY_TIMEOUT_S,
+            )
+        except BaseException:
+            kill(hosts)
+            raise
+        return hosts
+
+    return on_a_free_port(start_on)  # again on another port if one was taken before rank 0 bound it
 
 
 def stop_ranks(hosts: Sequence[Any], *, reuse: bool, use_gpu: bool) -> None:

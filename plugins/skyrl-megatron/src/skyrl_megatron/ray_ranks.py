@@ -12,7 +12,8 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 import ray  # noqa: E402
 
 from skyrl_core.backends import ray_actors  # noqa: E402
-from skyrl_core.backends.ray_actors import free_port, kill  # noqa: E402
+from skyrl_core.backends.ray_actors import kill  # noqa: E402
+from skyrl_core.ports import on_a_free_port  # noqa: E402
 from skyrl_core.local_ray import ensure_local_ray, skyrl_environment  # noqa: E402
 
 from skyrl_megatron.rank import MegatronRank  # noqa: E402
@@ -31,22 +32,26 @@ def start_ranks(model: Any, options: Any, trainer: Any, *, seed: int, use_gpu: b
     ensure_ray(world)
     if options.torch_threads is None:  # share this machine's cores between the ranks
         options = attrs.evolve(options, torch_threads=max(1, (os.cpu_count() or 1) // world))
-    init_method = f"tcp://127.0.0.1:{free_port()}"
     # No CPU reservation: each rank's threads are set by torch_threads, and reserving cores would
     # keep a second backend (a reference model, a test's second run) from starting on a small machine.
     actor_class = ray.remote(num_cpus=0, num_gpus=1 if use_gpu else 0)(MegatronRank)
-    actors = [
-        actor_class.remote(
-            model, options, trainer, seed=seed, rank=rank, init_method=init_method, environ=skyrl_environment()
-        )
-        for rank in range(world)
-    ]
-    try:
-        gather([actor.ready.remote() for actor in actors], timeout=READY_TIMEOUT_S)
-    except BaseException:
-        kill(actors)
-        raise
-    return actors
+
+    def start_on(port: int) -> list[Any]:
+        actors = [
+            actor_class.remote(
+                model, options, trainer, seed=seed, rank=rank, init_method=f"tcp://127.0.0.1:{port}",
+                environ=skyrl_environment(),
+            )
+            for rank in range(world)
+        ]
+        try:
+            gather([actor.ready.remote() for actor in actors], timeout=READY_TIMEOUT_S)
+        except BaseException:
+            kill(actors)
+            raise
+        return actors
+
+    return on_a_free_port(start_on)  # again on another port if one was taken before rank 0 bound it
 
 
 def gather(refs: Sequence[Any], timeout: float | None = None) -> list[Any]:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 from typing import Iterator
+
+from skyrl_core.ports import free_port, on_a_free_port  # noqa: F401  (free_port: for tests that pick a port)
 
 
 def byte_tokenizer():
@@ -38,43 +39,53 @@ def write_model_dir(directory: Path, config: dict, *, seed: int = 0) -> str:
     return str(directory)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def serve_subprocess(
     model_dir: str, checkpoints: Path, *, model_name: str = "tiny", extra: tuple[str, ...] = (),
     env: dict[str, str] | None = None, port: int | None = None, timeout: float = 180.0,
 ) -> Iterator[tuple[str, subprocess.Popen]]:
     """Yields ``(base URL, process)`` once ``/api/v1/healthz`` answers; the server's output goes to
-    ``checkpoints/../server-PORT.log``. The process is stopped (SIGTERM, then SIGKILL) on exit."""
-    port = port or free_port()
-    cmd = [sys.executable, "-m", "skyrl_core", "tinker", "serve", "--model", model_dir, "--model-name", model_name,
-           "--port", str(port), "--checkpoints", str(checkpoints), *extra]
-    log_path = Path(checkpoints).parent / f"server-{port}.log"
-    url = f"http://127.0.0.1:{port}"
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=log, env={**os.environ, **(env or {})})
+    ``checkpoints/../server-PORT.log``. Without ``port``, on a free one (another if it was taken
+    before the server bound it). The process is stopped (SIGTERM, then SIGKILL) on exit."""
+
+    def start_on(port: int) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "skyrl_core", "tinker", "serve", "--model", model_dir, "--model-name", model_name,
+               "--port", str(port), "--checkpoints", str(checkpoints), *extra]
+        log_path = Path(checkpoints).parent / f"server-{port}.log"
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=log, env={**os.environ, **(env or {})})
         try:
             deadline = time.time() + timeout
             while True:
                 if proc.poll() is not None:
                     raise RuntimeError(f"the server exited with {proc.returncode}: {log_path.read_text()[-3000:]}")
                 try:
-                    urllib.request.urlopen(f"{url}/api/v1/healthz", timeout=1)
-                    break
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/healthz", timeout=1)
+                    return proc
                 except OSError:
                     if time.time() > deadline:
                         raise
                     time.sleep(0.2)
-            yield url, proc
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        except BaseException:
+            stop(proc)
+            raise
+
+    if port is None:
+        proc = on_a_free_port(start_on)
+        port = int(proc.args[proc.args.index("--port") + 1])
+    else:
+        proc = start_on(port)
+    try:
+        yield f"http://127.0.0.1:{port}", proc
+    finally:
+        stop(proc)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL after 30 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

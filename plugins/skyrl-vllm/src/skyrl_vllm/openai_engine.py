@@ -137,26 +137,29 @@ class OpenAIEngine(PauseNotSupported):
         from vllm.platforms import current_platform
 
         from skyrl_core.engines.model_dir import checkpoint_shapes, materialize_model
-        from skyrl_vllm.vllm_server import SERVED_MODEL_NAME, VLLMServer, free_port, serve_command
+        from skyrl_core.ports import on_a_free_port
+        from skyrl_vllm.vllm_server import SERVED_MODEL_NAME, VLLMServer, serve_command
 
         self.sleep_supported = bool(current_platform.is_sleep_mode_available())
         self._workdir, self._remove_workdir = temporary_workdir(self, "skyrl-vllm-serve-")
         model_dir, tokenizer_dir = materialize_model(model, seed=self.seed, parent_dir=self._workdir)
         self._weight_shapes = checkpoint_shapes(model_dir)
         vopts = self.options.vllm
-        cmd = serve_command(
-            model_dir,
-            tokenizer_dir,
-            vopts,
-            dtype=vopts.dtype or model.dtype,
-            seed=self.seed,
-            port=free_port(),
-            enable_sleep_mode=self.sleep_supported,
-        )
-        self._server = VLLMServer(cmd, log_path=os.path.join(self._workdir, "vllm-serve.log"))
+
+        def serve_on(port: int) -> VLLMServer:
+            cmd = serve_command(model_dir, tokenizer_dir, vopts, dtype=vopts.dtype or model.dtype, seed=self.seed,
+                                port=port, enable_sleep_mode=self.sleep_supported)
+            server = VLLMServer(cmd, log_path=os.path.join(self._workdir, f"vllm-serve-{port}.log"))
+            try:
+                server.wait_ready(self.options.startup_timeout_s)
+            except BaseException:
+                server.stop()
+                raise
+            return server
+
+        self._server = on_a_free_port(serve_on)  # again on another port if one was taken meanwhile
         # close() stops it; so does interpreter exit if the engine is never closed.
         self._stop_server = weakref.finalize(self, self._server.stop)
-        self._server.wait_ready(self.options.startup_timeout_s)
         self.root_url = self._server.base_url
         self.model_name = SERVED_MODEL_NAME
 

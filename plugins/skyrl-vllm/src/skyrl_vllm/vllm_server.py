@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,12 +15,6 @@ from skyrl_vllm.engine import WORKER_EXTENSION
 from skyrl_vllm.options import VLLMOptions
 
 SERVED_MODEL_NAME = "skyrl-policy"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _flag(name: str, value: Any) -> list[str]:
