@@ -37,12 +37,20 @@ CPU_GEMMS = ("onednn", "torch")
 
 def linear_defaults(cpu_gemm: str, dtype: torch.dtype, device: str = "cpu") -> dict[str, OpImplSpec]:
     """``prepare_model``'s ``defaults`` for a runtime computing in ``dtype`` on ``device``:
-    ``{"linear": ONEDNN_LINEAR}`` for fp32 on CPU with ``cpu_gemm="onednn"`` and oneDNN available,
-    else none (the stock ``F.linear``)."""
+    ``{"linear": ONEDNN_LINEAR}`` for fp32 on CPU with ``cpu_gemm="onednn"`` and oneDNN available;
+    for bf16 on a CPU where oneDNN has no bf16 products (``computes``), the fp32-products linear
+    (``skyrl_core.ops.fp32_products``: PyTorch's own bf16 GEMM is 5-50x slower there); else none
+    (the stock ``F.linear``)."""
     if cpu_gemm not in CPU_GEMMS:
         raise ValueError(f"cpu_gemm {cpu_gemm!r}: allowed: {', '.join(CPU_GEMMS)}")
-    if cpu_gemm == "onednn" and device == "cpu" and dtype == torch.float32 and available():
+    if device != "cpu":
+        return {}
+    if cpu_gemm == "onednn" and dtype == torch.float32 and available():
         return {"linear": ONEDNN_LINEAR}
+    if dtype == torch.bfloat16 and not computes(torch.bfloat16):
+        from skyrl_core.ops.fp32_products import FP32_PRODUCTS_LINEAR
+
+        return {"linear": FP32_PRODUCTS_LINEAR}
     return {}
 
 

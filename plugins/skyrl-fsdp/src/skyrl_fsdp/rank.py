@@ -39,6 +39,7 @@ from skyrl_core.config.schema import ModelConfig, TrainerConfig
 from skyrl_core.heap import keep_freed_memory
 from skyrl_core.interfaces import LossFn
 from skyrl_core.models import load_causal_lm, load_tokenizer
+from skyrl_core.ops.onednn import linear_defaults
 from skyrl_core.rng_state import capture_rng_state, restore_rng_state
 from skyrl_core.state_file import load_state, save_state
 from skyrl_core.ops import prepare_model, site_scope
@@ -128,11 +129,7 @@ class FSDPRank:
         self.model = load_causal_lm(attrs.evolve(model, dtype="float32"), seed=seed)
         use_memory_efficient_attention(self.model)  # memory linear, not quadratic, in sequence length
         compute_dtype = torch.bfloat16 if options.mixed_precision == "bf16" else None
-        defaults = {}
-        if self.device.type == "cpu" and options.cpu_gemm == "onednn" and compute_dtype is None:
-            from skyrl_core.ops.onednn import ONEDNN_LINEAR
-
-            defaults["linear"] = ONEDNN_LINEAR
+        defaults = linear_defaults(options.cpu_gemm, compute_dtype or torch.float32, self.device.type)
         self.ledger = prepare_model(self.model, "trainer", compute_dtype=compute_dtype, defaults=defaults)
         self.aliases = tied_aliases(self.model)
         if options.lora is not None:  # after the op sites: the adapter's own small products stay stock

@@ -626,9 +626,15 @@ class TorchEngine:
             return None
         reason = unsupported_reason(self.model)
         if reason is None and _stock_ops(self.ledger):
-            # oneDNN where it computes the model's dtype here (bf16 needs AVX-512 or newer); else torch's
-            use_onednn = self.options.cpu_gemm == "onednn" and self.options.device == "cpu" and onednn_computes(self.model.dtype)
-            return NativeDecoder(self.model, gemm="onednn" if use_onednn else "torch", prepack_weights=self.options.prepack_weights)
+            # oneDNN where it computes the model's dtype here (bf16 needs AVX-512 or newer); a bf16 model
+            # on an AVX2-only CPU multiplies in fp32 on oneDNN (PyTorch's bf16 GEMM is 5-50x slower there)
+            gemm = "torch"
+            if self.options.cpu_gemm == "onednn" and self.options.device == "cpu":
+                if onednn_computes(self.model.dtype):
+                    gemm = "onednn"
+                elif self.model.dtype == torch.bfloat16 and onednn_computes(torch.float32):
+                    gemm = "onednn_fp32"
+            return NativeDecoder(self.model, gemm=gemm, prepack_weights=self.options.prepack_weights)
         if reason is None:
             missing = missing_ops(self.ledger)
             if not missing:

@@ -148,7 +148,10 @@ def _rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
     return (x.float() * inv).to(x.dtype).mul_(norm.weight)
 
 
-GEMMS = ("onednn", "torch")
+# onednn: oneDNN products in the model's dtype; torch: F.linear / addmm; onednn_fp32: a bf16 model's
+# products in fp32 on oneDNN (fp32 copies of the weights, results rounded to bf16), for CPUs where
+# neither oneDNN nor PyTorch multiplies bf16 fast (AVX2 only: 110-150 GFLOP/s against 2-20).
+GEMMS = ("onednn", "torch", "onednn_fp32")
 # Attention runs on every thread when rows x keys reach this: at decode batch 64 over ~70 keys
 # (SmolLM2, 2 threads) that made a whole rollout 13% faster; small batches stay on one thread.
 PARALLEL_ATTENTION_MIN_SCORES = 2048
@@ -172,6 +175,31 @@ def _onednn_residual_linear(residual: torch.Tensor, x: torch.Tensor, weight: tor
     return mm_nt_add(x, weight, bias, residual)
 
 
+def _fp32(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t if t is None or t.dtype == torch.float32 else t.float()
+
+
+def _fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` as an fp32 oneDNN product rounded to ``x``'s dtype; ``weight`` is an
+    fp32 (packed) copy, or the model's own weight between ``unpack`` and ``repack``."""
+    return mm_nt(x.float(), _fp32(weight), _fp32(bias)).to(x.dtype)
+
+
+def _fp32_residual_linear(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``residual + x @ weight.T (+ bias)`` in one fp32 oneDNN call, rounded once to the residual's dtype."""
+    return mm_nt_add(x.float(), _fp32(weight), _fp32(bias), residual.float()).to(residual.dtype)
+
+
+def _fp32_copy(prepack_weights: bool) -> Callable[[torch.Tensor], torch.Tensor | None]:
+    """``onednn_fp32``'s packer: each weight's fp32 copy, in oneDNN's blocked layout with ``prepack_weights``."""
+    def packer(weight: torch.Tensor) -> torch.Tensor:
+        wide = weight.detach().float()
+        packed = prepack(wide) if prepack_weights else None
+        return wide if packed is None else packed
+
+    return packer
+
+
 class NativeDecoder:
     """Forward of ``model`` over a ``SlotKVCache``, returning last-token logits."""
 
@@ -183,10 +211,13 @@ class NativeDecoder:
             raise ValueError(f"gemm must be one of {', '.join(GEMMS)}; got {gemm!r}")
         if gemm == "onednn" and not onednn_computes(model.dtype):
             raise ValueError(f"gemm='onednn' needs oneDNN products in {model.dtype} here: a PyTorch built with oneDNN "
-                             "(mkldnn), and for bf16 a CPU with AVX-512 or newer; use gemm='torch'")
+                             "(mkldnn), and for bf16 a CPU with AVX-512 or newer; use gemm='onednn_fp32' or 'torch'")
+        if gemm == "onednn_fp32" and (model.dtype != torch.bfloat16 or not onednn_computes(torch.float32)):
+            raise ValueError(f"gemm='onednn_fp32' is for a bf16 model on a PyTorch built with oneDNN; this model is {model.dtype}")
         self.gemm = gemm
-        self._linear = mm_nt if gemm == "onednn" else _torch_linear
-        self._residual_linear = _onednn_residual_linear if gemm == "onednn" else _torch_residual_linear
+        self._linear = {"onednn": mm_nt, "torch": _torch_linear, "onednn_fp32": _fp32_linear}[gemm]
+        self._residual_linear = {"onednn": _onednn_residual_linear, "torch": _torch_residual_linear,
+                                 "onednn_fp32": _fp32_residual_linear}[gemm]
         body = model.model
         self.embed = body.embed_tokens
         self.rotary = body.rotary_emb
@@ -195,11 +226,16 @@ class NativeDecoder:
         self.layers = [LayerWeights(layer) for layer in body.layers]
         self.parallel_attention_min_scores = PARALLEL_ATTENTION_MIN_SCORES
         self._packer = functools.partial(prepack, bf16=True) if prepack_weights and gemm == "onednn" else None
+        # onednn_fp32: the fp32 copies are needed either way, packed only with prepack_weights
+        self._plain_copies = gemm == "onednn_fp32" and not prepack_weights
+        if gemm == "onednn_fp32":
+            self._packer = _fp32_copy(prepack_weights)
         self.repack()
 
     def repack(self) -> None:
         """Renew the GEMM operands from the current weights (call after they change)."""
-        self.lm_head_gemm, self.prepacked = pack_gemm_operands(self.layers, self.lm_head, self._packer)
+        self.lm_head_gemm, copies = pack_gemm_operands(self.layers, self.lm_head, self._packer)
+        self.prepacked = 0 if self._plain_copies else copies  # packed copies (plain fp32 ones are not)
 
     def unpack(self) -> None:
         """Drop the packed copies: the GEMMs read the weights themselves until ``repack`` (the
