@@ -8,7 +8,9 @@ with fp32 accumulation; its largest error against an fp64 product measured 2-3x 
 5e-5 on K = 576 random normals, relative to outputs of about 24), and a 30-layer SmolLM2's token
 logprobs move by up to about 2e-5. That is noise for RL; it is a stock-numerics choice, not a
 contract: IsoExec replaces it with its canonical linear when enabled, and
-``backend.options.cpu_gemm: torch`` keeps MKL.
+``backend.options.cpu_gemm: torch`` keeps MKL. The default, ``auto``, takes whichever of the two is
+faster on the machine, measured there (``skyrl_core.ops.gemm_choice``): on a later AMD EPYC (family
+25, AVX2 only) MKL was the faster, 1.41x.
 
 Other devices and dtypes (CUDA, bf16, which PyTorch already sends to oneDNN on CPU) take
 ``torch.nn.functional.linear`` unchanged.
@@ -31,29 +33,6 @@ ONEDNN_LINEAR = OpImplSpec(
     version="1",
     description="fp32 CPU matrix products (forward and backward) on oneDNN; F.linear elsewhere",
 )
-# A CPU runtime's choice for its fp32 products: oneDNN, or PyTorch's BLAS (``F.linear``).
-CPU_GEMMS = ("onednn", "torch")
-
-
-def linear_defaults(cpu_gemm: str, dtype: torch.dtype, device: str = "cpu") -> dict[str, OpImplSpec]:
-    """``prepare_model``'s ``defaults`` for a runtime computing in ``dtype`` on ``device``:
-    ``{"linear": ONEDNN_LINEAR}`` for fp32 on CPU with ``cpu_gemm="onednn"`` and oneDNN available;
-    for bf16 on a CPU where oneDNN has no bf16 products (``computes``), the fp32-products linear
-    (``skyrl_core.ops.fp32_products``: PyTorch's own bf16 GEMM is 5-50x slower there); else none
-    (the stock ``F.linear``)."""
-    if cpu_gemm not in CPU_GEMMS:
-        raise ValueError(f"cpu_gemm {cpu_gemm!r}: allowed: {', '.join(CPU_GEMMS)}")
-    if device != "cpu":
-        return {}
-    if cpu_gemm == "onednn" and dtype == torch.float32 and available():
-        return {"linear": ONEDNN_LINEAR}
-    if dtype == torch.bfloat16 and not computes(torch.bfloat16):
-        from skyrl_core.ops.fp32_products import FP32_PRODUCTS_LINEAR
-
-        return {"linear": FP32_PRODUCTS_LINEAR}
-    return {}
-
-
 @functools.cache
 def available() -> bool:
     """Whether this PyTorch has oneDNN's linear kernel (the PyPI CPU and CUDA wheels do)."""

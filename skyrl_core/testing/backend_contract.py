@@ -139,7 +139,10 @@ class BackendContract:
     logprob_atol: float = 1e-5
     micro_batch_atol: float = 1e-6
     grad_norm_rtol: float = 1e-5
-    micro_batch_update_rtol: float = 2e-2  # of lr, see test_micro_batch_size_does_not_change_the_update
+    # of lr, see test_micro_batch_size_does_not_change_the_update: measured 2.15e-2 at FSDP world size 2
+    # with MKL products (cpu_gemm: torch), below 2e-2 with oneDNN; a per-micro-batch optimizer step or
+    # an averaged loss moves the update by about lr
+    micro_batch_update_rtol: float = 5e-2
     exact_resume: bool = True  # fp32 on one process: resumed runs must repeat bit for bit
 
     # --- fixtures ----------------------------------------------------------------------------

@@ -21,6 +21,8 @@ def _skyrl_test_environment(tmp_path_factory: pytest.TempPathFactory) -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("VLLM_CACHE_ROOT", str(tmp_path_factory.mktemp("vllm-cache")))
+    # skyrl's own per-machine answers (cpu_gemm: auto) go to a session directory, not ~/.cache
+    os.environ.setdefault("SKYRL_CACHE_DIR", str(tmp_path_factory.mktemp("skyrl-cache")))
 
 
 @pytest.fixture(autouse=True)

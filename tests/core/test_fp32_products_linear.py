@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from skyrl_core.ops import onednn
+from skyrl_core.ops import gemm_choice, onednn
 from skyrl_core.ops.fp32_products import FP32_PRODUCTS_LINEAR, linear
 
 
@@ -61,12 +61,12 @@ def test_linear_defaults_take_it_for_bf16_only_where_onednn_has_no_bf16(monkeypa
     real = onednn.computes
     monkeypatch.setattr(onednn, "computes", lambda dtype: oneDNN_bf16 if dtype == torch.bfloat16 else real(dtype))
     expected = {} if oneDNN_bf16 else {"linear": FP32_PRODUCTS_LINEAR}
-    assert onednn.linear_defaults("onednn", torch.bfloat16) == expected
-    assert onednn.linear_defaults("torch", torch.bfloat16) == expected  # cpu_gemm names the fp32 library
-    assert onednn.linear_defaults("onednn", torch.bfloat16, "cuda") == {}
-    assert onednn.linear_defaults("torch", torch.float32) == {}
+    assert gemm_choice.linear_defaults("onednn", torch.bfloat16) == expected
+    assert gemm_choice.linear_defaults("torch", torch.bfloat16) == expected  # cpu_gemm names the fp32 library
+    assert gemm_choice.linear_defaults("onednn", torch.bfloat16, "cuda") == {}
+    assert gemm_choice.linear_defaults("torch", torch.float32) == {}
 
 
 def test_this_cpu_gets_what_its_onednn_can_do():
-    chosen = onednn.linear_defaults("onednn", torch.bfloat16)
+    chosen = gemm_choice.linear_defaults("onednn", torch.bfloat16)
     assert (chosen == {"linear": FP32_PRODUCTS_LINEAR}) is (not onednn.computes(torch.bfloat16))

@@ -48,7 +48,7 @@ def plain_and_sharded():
     plain = load_causal_lm(MODEL, seed=0)
     use_memory_efficient_attention(plain)  # the attention FSDPRank runs
     prepare_model(plain, "trainer", defaults={"linear": onednn.ONEDNN_LINEAR})
-    with FSDPBackend(MODEL, FSDPOptions(device="cpu"), trainer=TrainerConfig(), seed=0) as backend:
+    with FSDPBackend(MODEL, FSDPOptions(device="cpu", cpu_gemm="onednn"), trainer=TrainerConfig(), seed=0) as backend:
         yield plain, backend._local.model
 
 

@@ -22,4 +22,4 @@ def test_serve_refuses_bad_engine_options_naming_the_key(tmp_path):
 
 def test_serve_refuses_an_unknown_cpu_gemm(tmp_path):
     result = CliRunner().invoke(tinker_group, ["serve", "--model", str(tmp_path), "--cpu-gemm", "mkl"])
-    assert result.exit_code == 2 and "'mkl': allowed: onednn, torch" in result.output
+    assert result.exit_code == 2 and "'mkl': allowed: auto, onednn, torch" in result.output

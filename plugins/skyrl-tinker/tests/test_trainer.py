@@ -1,4 +1,5 @@
-"""The in-process trainer's fp32 products: oneDNN by default (``cpu_gemm``), PyTorch's BLAS on request."""
+"""The in-process trainer's fp32 products: oneDNN or PyTorch's BLAS (``cpu_gemm``; the default, ``auto``, takes the
+faster on this machine, ``tests/core/test_gemm_choice.py``)."""
 
 import numpy as np
 import pytest
@@ -52,7 +53,7 @@ def test_onednn_products_train_the_adapter_like_blas_ones_within_fp32_rounding(t
 
 
 def test_an_unknown_cpu_gemm_is_refused_before_the_model_loads():
-    with pytest.raises(ValueError, match="cpu_gemm 'mkl': allowed: onednn, torch"):
+    with pytest.raises(ValueError, match="cpu_gemm 'mkl': allowed: auto, onednn, torch"):
         LoraTrainer("/nonexistent", cpu_gemm="mkl")
 
 

@@ -10,7 +10,7 @@ from skyrl_core.config.validators import boolean, one_of, optional_positive_int,
 
 PRECISIONS = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
-CPU_GEMMS = ("onednn", "torch")
+CPU_GEMMS = ("auto", "onednn", "torch")  # skyrl_core.ops.gemm_choice.CPU_GEMMS (this module imports no torch)
 
 
 def _lora_targets(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -66,11 +66,12 @@ class FSDPOptions:
         },
     )
     cpu_gemm: str = attrs.field(
-        default="onednn",
+        default="auto",
         validator=one_of(*CPU_GEMMS),
         metadata={
-            "help": "fp32 matrix products on CPU: onednn (forward and backward, 1.5-2.1x faster than MKL on some "
-            "CPUs, see benchmarks/cpu_gemm.py) or torch (F.linear, PyTorch's BLAS); IsoExec overrides both"
+            "help": "fp32 matrix products on CPU: auto (the faster of the two on this machine, measured once and "
+            "kept in $SKYRL_CACHE_DIR/cpu_gemm.json), onednn (forward and backward on oneDNN) or torch (F.linear, "
+            "PyTorch's BLAS); see benchmarks/cpu_gemm.py; IsoExec overrides all three"
         },
     )
     reshard_after_forward: bool = attrs.field(

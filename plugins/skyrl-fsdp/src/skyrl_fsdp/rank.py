@@ -39,7 +39,7 @@ from skyrl_core.config.schema import ModelConfig, TrainerConfig
 from skyrl_core.heap import keep_freed_memory
 from skyrl_core.interfaces import LossFn
 from skyrl_core.models import load_causal_lm, load_tokenizer
-from skyrl_core.ops.onednn import linear_defaults
+from skyrl_core.ops.gemm_choice import linear_defaults
 from skyrl_core.rng_state import capture_rng_state, restore_rng_state
 from skyrl_core.state_file import load_state, save_state
 from skyrl_core.ops import prepare_model, site_scope

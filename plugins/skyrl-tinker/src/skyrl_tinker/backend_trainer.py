@@ -55,7 +55,7 @@ def build_backend(name: str, model_dir: str, *, rank: int, alpha: float, groups:
 class BackendLoraTrainer(LoraTrainer):
     next_token_targets_only = True
 
-    def __init__(self, model_dir: str, backend: str, *, cpu_gemm: str = "onednn") -> None:
+    def __init__(self, model_dir: str, backend: str, *, cpu_gemm: str = "auto") -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend {backend!r}: Tinker training runs on {', '.join(BACKENDS)}")
         super().__init__(model_dir, cpu_gemm=cpu_gemm)

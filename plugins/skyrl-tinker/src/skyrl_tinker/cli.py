@@ -82,7 +82,7 @@ def tinker_group() -> None:
 @click.option("--checkpoints", "checkpoint_dir", default="tinker-checkpoints", show_default=True, type=click.Path(file_okay=False), help="directory for saved weights")
 @click.option("--api-keys", "api_keys_file", default=None, type=click.Path(exists=True, dir_okay=False), help="file of accepted API keys, one a line; without it any key is accepted")
 @click.option("--lora-alpha", type=click.FloatRange(min=0, min_open=True), default=32.0, show_default=True, help="LoRA alpha (scale alpha / rank)")
-@click.option("--cpu-gemm", default="onednn", show_default=True, help="the trainer's fp32 matrix products on CPU: onednn (faster than MKL on some CPUs, see benchmarks/cpu_gemm.py) or torch (F.linear, PyTorch's BLAS); IsoExec overrides both")
+@click.option("--cpu-gemm", default="auto", show_default=True, help="the trainer's fp32 matrix products on CPU: auto (the faster of the two on this machine, measured once), onednn (oneDNN) or torch (F.linear, PyTorch's BLAS); see benchmarks/cpu_gemm.py; IsoExec overrides all three")
 @click.option("--heap-mmap-mib", type=click.IntRange(min=0), default=0, show_default=True, help="tensors of at least this many MiB get their own memory map, returned when freed (0: every freed tensor stays in the heap for reuse, which fragments it and keeps the resident size at its high-water mark)")
 @click.option("--max-request-bytes", type=click.IntRange(min=1024), default=64 * 1024 * 1024, show_default=True, help="larger request bodies get 413")
 def serve(
@@ -92,7 +92,7 @@ def serve(
     """Serve the Tinker API for one base model on HOST:PORT."""
     if backend is not None:
         check_backend(backend)
-    from skyrl_core.ops.onednn import CPU_GEMMS
+    from skyrl_core.ops.gemm_choice import CPU_GEMMS
 
     if cpu_gemm not in CPU_GEMMS:
         raise click.BadParameter(f"{cpu_gemm!r}: allowed: {', '.join(CPU_GEMMS)}", param_hint="--cpu-gemm")

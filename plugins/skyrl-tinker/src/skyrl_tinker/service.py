@@ -93,7 +93,7 @@ class TinkerService:
         backend: str | None = None,
         base_model: str | None = None,
         lora_alpha: float = DEFAULT_LORA_ALPHA,
-        cpu_gemm: str = "onednn",
+        cpu_gemm: str = "auto",
     ) -> None:
         from skyrl_tinker.trainer import LoraTrainer
 

@@ -34,7 +34,7 @@ from skyrl_core.models import load_causal_lm
 from skyrl_core.ops import prepare_model, site_scope, token_logprobs
 from skyrl_core.ops.chunked_logprobs import chunked_token_logprobs, output_head, with_final_hidden
 from skyrl_core.ops.install import DEFAULT_IMPLS
-from skyrl_core.ops.onednn import CPU_GEMMS, linear_defaults
+from skyrl_core.ops.gemm_choice import CPU_GEMMS, linear_defaults
 from skyrl_tinker.losses import compute_loss
 
 ADAPTER_FILE = "adapter.safetensors"
@@ -84,7 +84,7 @@ class Adapter:
 class LoraTrainer:
     next_token_targets_only = False  # any per-position targets
 
-    def __init__(self, model_dir: str, *, cpu_gemm: str = "onednn") -> None:
+    def __init__(self, model_dir: str, *, cpu_gemm: str = "auto") -> None:
         if cpu_gemm not in CPU_GEMMS:
             raise ValueError(f"cpu_gemm {cpu_gemm!r}: allowed: {', '.join(CPU_GEMMS)}")
         keep_freed_memory()
