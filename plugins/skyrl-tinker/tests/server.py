@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Iterator
 
 from skyrl_core.testing.backend_contract import TINY_QWEN3
-from skyrl_tinker.launch import byte_tokenizer, free_port, serve_subprocess, write_model_dir  # noqa: F401 - used by tests
+from skyrl_core.ports import free_port  # noqa: F401 - used by tests
+from skyrl_tinker.launch import byte_tokenizer, serve_subprocess, write_model_dir  # noqa: F401 - used by tests
 
 TEST_KEY = "tml-skyrl-test-key"
 

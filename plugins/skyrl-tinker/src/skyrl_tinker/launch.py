@@ -12,7 +12,7 @@ import urllib.request
 from pathlib import Path
 from typing import Iterator
 
-from skyrl_core.ports import free_port, on_a_free_port  # noqa: F401  (free_port: for tests that pick a port)
+from skyrl_core.ports import on_a_free_port
 
 
 def byte_tokenizer():
