@@ -59,6 +59,21 @@ def test_sync_and_one_step_off_train_on_the_policy_they_promise(tmp_path, pm, mo
 
 @pytest.mark.slow
 def test_fully_async_spans_versions_within_the_staleness_bound(tmp_path, pm, monkeypatch):
+    import time
+
+    from skyrl_torch.engine import TorchEngine
+
+    # A sample spans two versions only if a weight update lands while it is being generated. The
+    # tiny model decodes faster than it trains, so on an idle machine the generator can finish its
+    # staleness window before the update and wait: decoding is slowed (10 ms a token step, 64
+    # samples of up to 16 tokens a step) so that the generator is still busy when every update comes.
+    decode = TorchEngine._decode_step
+
+    def slow_decode(self, *args, **kwargs):
+        time.sleep(0.01)
+        return decode(self, *args, **kwargs)
+
+    monkeypatch.setattr(TorchEngine, "_decode_step", slow_decode)
     records, batches = _run(tmp_path, pm, monkeypatch, "fully_async",
                             "trainer.fully_async.max_inflight=16", "trainer.fully_async.max_staleness=1")
     assert [r["step"] for r in records] == [1, 2, 3, 4] and len(batches) == 4
