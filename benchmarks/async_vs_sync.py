@@ -61,7 +61,6 @@ import time
 from typing import Any
 
 from skyrl_core import weight_sync
-from skyrl_core.ports import free_port
 from skyrl_core.plugins import hookimpl
 from skyrl_core.plugins.records import EnvironmentSpec
 from skyrl_core.types import StepResult
@@ -251,11 +250,11 @@ def weight_sync_bandwidth(args: argparse.Namespace) -> dict[str, float]:
         with tempfile.TemporaryDirectory() as directory:
             engine.update_weights(weight_sync.read_checkpoint(weight_sync.write_checkpoint(directory, tensors, 1)))
 
-    port = free_port()
+    host = weight_sync.GlooPairHost("127.0.0.1")
     joined: dict[str, Any] = {}
-    joining = threading.Thread(target=lambda: joined.update(group=weight_sync.gloo_pair("127.0.0.1", port, rank=1)))
+    joining = threading.Thread(target=lambda: joined.update(group=weight_sync.join_gloo_pair("127.0.0.1", host.port)))
     joining.start()
-    sender = weight_sync.gloo_pair("127.0.0.1", port, rank=0)
+    sender = host.group()
     joining.join()
     manifest = weight_sync.manifest_of(tensors)
 

@@ -73,7 +73,7 @@ class EngineActor:
         self._update(weight_sync.read_checkpoint(path), version)
 
     def join_broadcast(self, host: str, port: int) -> None:
-        self._group = weight_sync.gloo_pair(host, port, rank=1)
+        self._group = weight_sync.join_gloo_pair(host, port)
 
     def update_from_broadcast(self, manifest: weight_sync.Manifest, version: int | None) -> None:
         # receive everything first: a half-received update must not reach the engine
@@ -210,11 +210,9 @@ class RemoteEngine:
 
     def _broadcast_group(self) -> Any:
         if self._group is None:
-            from skyrl_core.ports import free_port
-
-            port = free_port()
-            joining = self.actor.join_broadcast.remote("127.0.0.1", port)
-            self._group = weight_sync.gloo_pair("127.0.0.1", port, rank=0)
+            host = weight_sync.GlooPairHost("127.0.0.1")
+            joining = self.actor.join_broadcast.remote("127.0.0.1", host.port)
+            self._group = host.group()
             self._wait(joining, "join_broadcast")
         return self._group
 

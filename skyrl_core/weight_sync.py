@@ -38,13 +38,32 @@ def weights_digest(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     return digest.hexdigest()
 
 
-def gloo_pair(host: str, port: int, rank: int, timeout_s: float = 120.0):
-    """A two-member gloo process group (rank 0: the trainer, rank 1: the engine process)."""
+class GlooPairHost:
+    """Rank 0 (the trainer) of a two-member gloo group. Its rendezvous store listens on a port the
+    kernel chose when it bound (port 0), so no other process can take the port between its choice
+    and the bind (a port chosen free and bound later can be: two test workers, two runs). Give
+    ``port`` to rank 1 (``join_gloo_pair``), then ``group()`` waits for it to join."""
+
+    def __init__(self, host: str = "127.0.0.1", timeout_s: float = 120.0) -> None:
+        import torch.distributed as dist
+
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore(host, 0, world_size=2, is_master=True, timeout=self.timeout, wait_for_workers=False)
+        self.port = int(self.store.port)
+
+    def group(self):
+        import torch.distributed as dist
+
+        return dist.ProcessGroupGloo(self.store, 0, 2, self.timeout)
+
+
+def join_gloo_pair(host: str, port: int, timeout_s: float = 120.0):
+    """Rank 1 (the engine process): the group of the ``GlooPairHost`` listening at ``host:port``."""
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world_size=2, is_master=rank == 0, timeout=timeout)
-    return dist.ProcessGroupGloo(store, rank, 2, timeout)
+    store = dist.TCPStore(host, port, world_size=2, is_master=False, timeout=timeout)
+    return dist.ProcessGroupGloo(store, 1, 2, timeout)
 
 
 def send_by_broadcast(group, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:

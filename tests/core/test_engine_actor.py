@@ -22,9 +22,8 @@ def test_engine_actor_in_process_takes_weights_by_broadcast_and_checkpoint_bit_e
     """The actor's side without Ray (the same object Ray hosts): a trainer thread broadcasts."""
     import threading
 
-    from skyrl_core.ports import free_port
     from skyrl_core.engine_actor import EngineActor
-    from skyrl_core.weight_sync import gloo_pair, manifest_of, send_by_broadcast, write_checkpoint
+    from skyrl_core.weight_sync import GlooPairHost, manifest_of, send_by_broadcast, write_checkpoint
 
     model = ModelConfig(config=dict(TINY_QWEN3))
     actor = EngineActor(Selection(name="torch"), model, 0, {})
@@ -34,10 +33,10 @@ def test_engine_actor_in_process_takes_weights_by_broadcast_and_checkpoint_bit_e
         actor.update_from_checkpoint(write_checkpoint(str(tmp_path), trainer.items(), version=1), 1)
         assert actor.weights_digest() == weights_digest(trainer.items())
         moved = {n: t * 1.5 for n, t in trainer.items()}
-        port = free_port()
-        joined = threading.Thread(target=actor.join_broadcast, args=("127.0.0.1", port))
+        host = GlooPairHost("127.0.0.1", timeout_s=60)
+        joined = threading.Thread(target=actor.join_broadcast, args=("127.0.0.1", host.port))
         joined.start()
-        group = gloo_pair("127.0.0.1", port, rank=0, timeout_s=60)
+        group = host.group()
         joined.join()
         receiving = threading.Thread(target=actor.update_from_broadcast, args=(manifest_of(moved.items()), 2))
         receiving.start()
