@@ -14,7 +14,9 @@ SUM_ROW = {
         {"input": "5 5\n", "output": "10\n"},
     ]}},
 }
-FAST = {"sandbox": {"wall_seconds": 1.0, "cpu_seconds": 1}}
+# A correct program gets ample wall time (a loaded machine can take seconds to start Python: a
+# 1 s limit failed a right answer once); a runaway one is stopped by its 1 s of CPU.
+FAST = {"sandbox": {"wall_seconds": 20.0, "cpu_seconds": 1}}
 
 
 def answer(code):

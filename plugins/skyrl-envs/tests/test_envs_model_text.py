@@ -24,7 +24,9 @@ ROWS = {
     "code": CODE_ROW,
     "multi_tool": load_dataset(DATA / "multi_tool" / "questions.jsonl")[0],
 }
-FAST = {"sandbox": {"wall_seconds": 1.0, "cpu_seconds": 1, "disk_bytes": 1024 * 1024}}
+# A correct program gets ample wall time (a loaded machine can take seconds to start Python: a
+# 1 s limit failed a right answer once); a runaway one is stopped by its 1 s of CPU.
+FAST = {"sandbox": {"wall_seconds": 20.0, "cpu_seconds": 1, "disk_bytes": 1024 * 1024}}
 HOSTILE = ["\ud800", "\udfff\x00", "\x00" * 3, "'\"; --", "\u202e" * 5, "7" * 20_000]
 TAGS = ["{}", "\\boxed{{{}}}", "#### {}", "<sql>{}</sql>", "<solution>{}</solution>", "<search>{}</search>",
         "<answer>{}</answer>", "<python>{}</python>", "```python\n{}\n```", "```python\nprint('{}')\n```"]

@@ -6,7 +6,9 @@ from skyrl_envs.search_index import SHIPPED_CORPUS
 
 ROWS = load_dataset(SHIPPED_CORPUS.parent.parent / "multi_tool" / "questions.jsonl")
 GOLD_TIMES_OXYGEN = ROWS[0]  # 79 * 8 = 632
-FAST = {"sandbox": {"wall_seconds": 1.0, "cpu_seconds": 1}}
+# A correct program gets ample wall time (a loaded machine can take seconds to start Python: a
+# 1 s limit failed a right answer once); a runaway one is stopped by its 1 s of CPU.
+FAST = {"sandbox": {"wall_seconds": 20.0, "cpu_seconds": 1}}
 
 
 def test_shipped_questions_are_the_builders_rows():
@@ -39,7 +41,7 @@ def test_answer_reward(index_dir, answer, reward):
 
 
 def test_tool_errors_and_malformed_turns_are_observations(index_dir):
-    env = MultiToolEnv(index_dir=index_dir, max_turns=4, **FAST)
+    env = MultiToolEnv(index_dir=index_dir, max_turns=4, sandbox={"wall_seconds": 3.0, "cpu_seconds": 1})  # (sleep 60 times out)
     env.reset(GOLD_TIMES_OXYGEN)
     crashed = env.step("<python>1/0</python>")
     assert "ZeroDivisionError" in crashed.observation[0]["content"] and not crashed.done
