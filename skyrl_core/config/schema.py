@@ -27,6 +27,11 @@ def _non_negative(instance: Any, attribute: attrs.Attribute, value: Any) -> None
         raise ValueError("must be >= 0")
 
 
+def _unit_mass(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and not 0 < value <= 1:
+        raise ValueError("must be in (0, 1]")
+
+
 def _one_of(*allowed: Any):
     def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         if value not in allowed:
@@ -118,7 +123,7 @@ class ModelConfig:
 class GenerationConfig:
     max_new_tokens: int = attrs.field(default=64, validator=_positive, metadata=_help("tokens per response"))
     temperature: float = attrs.field(default=1.0, validator=_non_negative, metadata=_help("sampling temperature"))
-    top_p: float = attrs.field(default=1.0, validator=_positive, metadata=_help("nucleus sampling mass"))
+    top_p: float = attrs.field(default=1.0, validator=_unit_mass, metadata=_help("nucleus sampling mass, in (0, 1] (1: off)"))
     top_k: int = attrs.field(default=0, validator=_non_negative, metadata=_help("top-k filter (0: off)"))
     n_samples: int = attrs.field(default=8, validator=_positive, metadata=_help("samples per prompt"))
     stop: tuple[str, ...] = attrs.field(default=(), converter=tuple, metadata=_help("stop strings"))

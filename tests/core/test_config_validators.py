@@ -49,3 +49,14 @@ def test_a_plugin_choice_gets_the_allowed_list_and_a_suggestion_from_the_loader(
     text = str(info.value)
     assert "engine.options.implementation: 'natve' is invalid: implementation must be one of auto, native" in text
     assert "allowed: auto, native, transformers" in text and "did you mean 'native'?" in text
+
+
+def test_generation_top_p_is_a_probability_mass(tmp_path):
+    """``generation.top_p`` above 1 was accepted and failed later in the engine, after the run began."""
+    from skyrl_core.config.loader import load_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {config: {model_type: qwen3}}\n")
+    with pytest.raises(ConfigError, match=r"generation.top_p: 1.5 is invalid: must be in \(0, 1\]"):
+        load_config(str(path), ["generation.top_p=1.5"])
+    assert load_config(str(path), ["generation.top_p=1.0"]).generation.top_p == 1.0

@@ -4,6 +4,7 @@ processes on loopback with a tiny Qwen3 (untied embeddings, byte tokenizer)."""
 from __future__ import annotations
 
 import contextlib
+import json
 from pathlib import Path
 
 import httpx
@@ -239,6 +240,22 @@ def test_bad_input_gets_a_clear_4xx_and_the_server_keeps_serving(server, connect
     with pytest.raises(Exception, match="is not served here; this server serves 'tiny'"):
         connect(url).create_lora_training_client(base_model="other", rank=4).result()
     assert len(_sl_steps(tc, 1)) == 1
+    # Sampling values no engine can take are refused at submission (in the engine they would fail
+    # every request batched with them), and the sampler serves on.
+    # (The SDK sends no NaN; a raw client can: JSON's NaN literal.)
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    prompt = types.ModelInput.from_ints(SENTENCE[:5])
+    with httpx.Client(base_url=url, timeout=30) as http:
+        for params, message in (({"temperature": float("nan")}, "sampling_params.temperature must be a finite number >= 0"),
+                                ({"temperature": float("inf")}, "sampling_params.temperature must be a finite number >= 0"),
+                                ({"seed": 1 << 70}, "sampling_params.seed must be None or an integer in [-2**63, 2**64)")):
+            sample = types.SampleRequest(num_samples=1, prompt=prompt, base_model="tiny", sampling_params=types.SamplingParams(max_tokens=4))
+            raw = sample.model_dump(mode="json")
+            raw["sampling_params"].update(params)
+            r = http.post("/api/v1/asample", content=json.dumps(raw), headers={"Content-Type": "application/json", **HEADERS})
+            assert r.status_code == 400 and message in r.text, r.text
+    served = sampler.sample(prompt, num_samples=1, sampling_params=types.SamplingParams(max_tokens=4, seed=1)).result()
+    assert len(served.sequences[0].tokens) == 4
 
 
 def test_a_restarted_server_answers_for_finished_work_and_lists_checkpoints(tiny_model, tmp_path):

@@ -302,9 +302,10 @@ def test_options_are_validated(field, value, message):
 
 @pytest.mark.parametrize(
     "prompt_ids, sampling, message",
-    [((), {}, "prompt_token_ids is empty"), ((1, 600), {}, r"outside the vocabulary \[0, 512\)"),
-     ((1, 2), {"top_p": 0.0}, "top_p must be in"), ((1, 2), {"max_tokens": 0}, "max_tokens must be >= 1"),
-     ((1, 2), {"max_tokens": 300}, "exceeds max_model_len 256"), ((1, 2), {"stop": ("",)}, "empty string")],
+    [((), {}, "has an empty prompt"), ((1, 600), {}, r"outside the vocabulary \[0, 512\)"),
+     ((1, 2), {"top_p": 0.0}, "top_p must be in"), ((1, 2), {"max_tokens": 0}, "max_tokens must be integers >= 1"),
+     ((1, 2), {"max_tokens": 300}, "exceeds max_model_len 256"), ((1, 2), {"stop": ("",)}, "empty string"),
+     ((1, 2), {"temperature": float("nan")}, "temperature must be a finite number"), ((1, 2), {"seed": 1 << 70}, "seed must be None")],
 )
 def test_bad_requests_are_refused_naming_the_request(prompt_ids, sampling, message):
     eng = engine()

@@ -672,7 +672,8 @@ class TinkerService:
         return {"sampler_id": sampler_id, "base_model": row.base_model, "model_path": row.model_path}
 
     def asample(self, owner: str, request: Any) -> dict[str, Any]:
-        from skyrl_core.types import SamplingParams
+        from skyrl_core.engines.requests import check_request
+        from skyrl_core.types import GenerationRequest, SamplingParams
 
         if request.sampling_session_id is not None:
             model_path = self.sampler_info(owner, request.sampling_session_id)["model_path"]
@@ -708,11 +709,14 @@ class TinkerService:
             stop_strings = tuple(stop)
         elif stop is not None:
             stop_ids = tuple(int(s) for s in stop)
-        if p.temperature < 0 or not 0 < p.top_p <= 1:
-            raise TinkerError(f"sampling_params: temperature must be >= 0 and top_p in (0, 1]; got {p.temperature}, {p.top_p}")
         params = SamplingParams(max_tokens=max_tokens, temperature=p.temperature, top_p=p.top_p,
                                 top_k=max(0, p.top_k), n=request.num_samples, seed=p.seed,
                                 stop=stop_strings, stop_token_ids=stop_ids)
+        try:  # what no engine can sample (a NaN temperature, a seed no generator takes), refused here:
+            # in the engine it would fail every request batched with this one
+            check_request(GenerationRequest(request_id="sample", prompt_token_ids=tuple(prompt), sampling=params))
+        except ValueError as error:
+            raise TinkerError(str(error).replace("request 'sample': sampling.", "sampling_params.")) from None
 
         job = SampleJob(model_path, checkpoint_dir, prompt, params, bool(request.prompt_logprobs))
         # Sequence identity is fixed at submission: one id per requested sample, in response order.

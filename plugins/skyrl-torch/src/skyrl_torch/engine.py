@@ -38,6 +38,7 @@ import attrs
 import torch
 
 from skyrl_core.compute_share import trainer_computing
+from skyrl_core.engines.requests import check_request
 from skyrl_core.heap import keep_freed_memory, release_freed_memory
 from skyrl_core.models import load_causal_lm, load_tokenizer
 from skyrl_core.ops import prepare_model, site_scope, token_logprobs
@@ -592,25 +593,12 @@ class TorchEngine:
         return self._cache
 
     def _validate(self, request: GenerationRequest) -> None:
+        check_request(request)
         where = f"request {request.request_id!r}"
         sp = request.sampling
-        if not request.prompt_token_ids:
-            raise ValueError(f"{where}: prompt_token_ids is empty")
         bad = [t for t in request.prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"{where}: prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
-        if sp.n < 1:
-            raise ValueError(f"{where}: sampling.n must be >= 1, got {sp.n}")
-        if sp.max_tokens < 1:
-            raise ValueError(f"{where}: sampling.max_tokens must be >= 1, got {sp.max_tokens}")
-        if sp.temperature < 0:
-            raise ValueError(f"{where}: sampling.temperature must be >= 0, got {sp.temperature}")
-        if not 0 < sp.top_p <= 1:
-            raise ValueError(f"{where}: sampling.top_p must be in (0, 1], got {sp.top_p}")
-        if sp.top_k < 0:
-            raise ValueError(f"{where}: sampling.top_k must be >= 0 (0: off), got {sp.top_k}")
-        if any(not s for s in sp.stop):
-            raise ValueError(f"{where}: sampling.stop contains an empty string")
         length = len(request.prompt_token_ids) + sp.max_tokens
         if length > self.max_model_len:
             raise ValueError(
