@@ -321,7 +321,7 @@ def test_api_keys_authenticate_and_isolate(server, connect):
 ENGINES = {  # name -> (serve arguments, environment); the engine's module is checked in the server's log
     "torch": ((), {}),
     # A real vLLM-CPU engine in the server's process, small KV cache (vLLM's cache: the test session's isolated one, inherited).
-    "vllm": (("--engine", "vllm", "--engine-option", "kv_cache_memory_bytes=33554432", "--engine-option", "max_model_len=256",
+    "vllm": (("--engine", "vllm", "--engine-option", "kv_cache_memory_bytes=33554432", "--engine-option", "max_model_len=128",
               "--engine-option", "multiprocess=false"), {}),
 }
 
@@ -357,6 +357,10 @@ def test_sampled_logprobs_equal_training_logprobs_bit_for_bit_with_isoexec(tiny_
             total += len(sampled)
         prompt_bits = np.asarray(response.prompt_logprobs[1:], dtype=np.float32).view(np.int32)
         assert (prompt_bits == _forward_bits(tc, _datum(prompt))).all()
+        if engine == "vllm":  # the engine's max_model_len (128, under the model's 256) is refused at submission
+            with pytest.raises(Exception, match="does not fit the sampler's 128 positions"):
+                sampler.sample(types.ModelInput.from_ints(prompt), num_samples=1,
+                               sampling_params=types.SamplingParams(max_tokens=200, seed=1)).result()
     assert total == 48
     (log,) = logs.glob("server-*.log")
     assert f"sampling engine {engine!r} started (skyrl_{engine}." in log.read_text()

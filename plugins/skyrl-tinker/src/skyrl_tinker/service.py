@@ -689,8 +689,11 @@ class TinkerService:
         _check_ids(np.asarray(prompt), self.trainer.vocab_size, "prompt")
         p = request.sampling_params
         max_tokens = p.max_tokens if p.max_tokens is not None else 64
-        if max_tokens < 1 or len(prompt) + max_tokens > self.trainer.max_len:
-            raise TinkerError(f"sampling_params.max_tokens: {max_tokens} with a {len(prompt)}-token prompt does not fit the model's {self.trainer.max_len} positions")
+        # the sampler's own length limit (--engine-option max_model_len) when shorter than the model's:
+        # checked here, since in the engine it would fail every request batched with this one
+        positions = min(self.trainer.max_len, int(self.engine_options.get("max_model_len") or self.trainer.max_len))
+        if max_tokens < 1 or len(prompt) + max_tokens > positions:
+            raise TinkerError(f"sampling_params.max_tokens: {max_tokens} with a {len(prompt)}-token prompt does not fit the sampler's {positions} positions")
         if not 1 <= request.num_samples <= 1024:
             raise TinkerError(f"num_samples: must be in [1, 1024]; got {request.num_samples}")
         for field in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
