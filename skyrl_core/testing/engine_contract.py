@@ -405,12 +405,13 @@ class EngineContract:
             (got,), at_pause = self._generate_with_a_pause(engine, reqs, perturbed.items(), version + 7, recompute=recompute)
             s = got[0]
             switched = at_pause[("w", 0)]
-            # The engine's own decode under the new weights, from the same context, with no pause: how
-            # far its token-by-token decode drifts from a full forward there (a hybrid's recurrent
-            # step against the chunked forward: up to ~3e-3 on some contexts of these 3x weights).
             resumed = tuple(prompts[0]) + tuple(s.token_ids[:switched])
-            fresh = engine.generate([request(resumed, "w-fresh", n=1, max_tokens=len(s.token_ids) - switched,
-                                             temperature=0.0)])[0][0]
+            if recompute:
+                # The engine's own decode under the new weights, from the same context, with no pause: how
+                # far its token-by-token decode drifts from a full forward there (a hybrid's recurrent
+                # step against the chunked forward: up to ~3e-3 on some contexts of these 3x weights).
+                fresh = engine.generate([request(resumed, "w-fresh", n=1, max_tokens=len(s.token_ids) - switched,
+                                                 temperature=0.0)])[0][0]
         finally:
             engine.update_weights(original.items(), version=version)
         assert list(s.token_versions) == [version] * switched + [version + 7] * (len(s.token_ids) - switched)

@@ -89,3 +89,12 @@ def test_cosine_and_linear_decay_to_zero_at_the_last_step():
 def test_unknown_schedule_is_refused():
     with pytest.raises(ValueError, match="lr_schedule must be one of constant, cosine, linear; got 'step'"):
         lr_factor(0, schedule="step", warmup_steps=0, total_steps=1)
+
+
+def test_cpu_gemm_choices_are_the_cores():
+    """The options module keeps its own copy of the choices (it imports no torch; gemm_choice does):
+    the copy must not drift from what ``linear_defaults`` accepts."""
+    from skyrl_core.ops.gemm_choice import CPU_GEMMS
+    from skyrl_fsdp import options
+
+    assert options.CPU_GEMMS == CPU_GEMMS
