@@ -5,9 +5,9 @@ generate against it (``verify_engines``); the trainer scores their tokens under 
 compositions and the logprobs are compared on their int32 bits (``verify.compare_logprobs``).
 IsoExec on: 0 differing tokens with each engine. Off, the negative control: both differ.
 
-Layouts: TP 1 (in-process) and TP 2 for qwen3, llama, qwen3-moe, qwen3-next (MoE layers under TP 2
-run with sequence parallelism; Qwen3-Next at TP 2 splits GatedDeltaNet, gated attention, experts
-and the shared expert), EP 2 for qwen3-moe. Llama at TP 1 goes through the CLI
+Layouts here: TP 1 (in-process) for qwen3, qwen3-moe, qwen3-next; the Ray layouts (TP 2, EP 2) are
+``test_megatron_verify_parallel.py`` (the check itself: ``conftest.megatron_verify_layout``). Llama at
+TP 1 goes through the CLI
 (``skyrl isoexec verify --engine torch,vllm``), so its per-engine printing and exit codes are checked
 on a real run; bad engine combinations are refused before anything is built.
 """
@@ -21,23 +21,11 @@ import pytest
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (skyrl-megatron's trainer)")
 pytest.importorskip("skyrl_megatron", reason="skyrl-megatron is not installed")
 
-from skyrl_isoexec.verify import verify_engines  # noqa: E402
-
 ENGINES = ("torch", "vllm")
-# vLLM in the verifying process, every family: the same IsoExec layers and ops as its multiprocess
-# mode (covered by vllm/test_vllm_isoexec_cli.py and, with the Megatron trainer for Qwen3-Next,
-# test_megatron_grpo.py), without two process start-ups per engine.
-VLLM_IN_PROCESS = {"vllm": {"multiprocess": False}}
-# Qwen3-Next: stock vLLM-CPU computes GatedDeltaNet in bf16 only ("CPU GDN attention requires
-# BF16"), so with IsoExec off an fp32 vLLM engine cannot run this family at all: its negative control
-# is against skyrl-torch only (with IsoExec on, IsoExec's own GDN layer runs in fp32).
-NO_STOCK_FP32_VLLM = ("qwen3-next",)
 # (preset, tensor parallel, expert parallel); llama at TP 1 is test_cli_verify_megatron_against_both_engines.
-LAYOUTS = [
-    ("qwen3", 1, 1), ("qwen3-moe", 1, 1), ("qwen3-next", 1, 1),
-    ("qwen3", 2, 1), ("llama", 2, 1), ("qwen3-moe", 2, 1), ("qwen3-next", 2, 1),
-    ("qwen3-moe", 1, 2),
-]
+# The Ray layouts are test_megatron_verify_parallel.py: pytest-xdist runs a file on one worker, and
+# all layouts in one file kept one worker busy ~8 minutes at the suite's end.
+LAYOUTS = [("qwen3", 1, 1), ("qwen3-moe", 1, 1), ("qwen3-next", 1, 1)]
 
 
 @pytest.fixture
@@ -51,38 +39,8 @@ def vllm_env():
 @pytest.mark.vllm
 @pytest.mark.parametrize(("preset", "tensor_parallel", "expert_parallel"), LAYOUTS,
                          ids=[f"{p}-tp{t}-ep{e}" for p, t, e in LAYOUTS])
-def test_both_engines_get_the_megatron_trainers_bits(preset, tensor_parallel, expert_parallel, vllm_env, request):
-    if tensor_parallel * expert_parallel > 1:
-        request.getfixturevalue("ray_session")
-    layout = dict(engines=ENGINES, preset=preset, backend="megatron", tensor_parallel=tensor_parallel,
-                  expert_parallel=expert_parallel, batches=1,
-                  engine_options=VLLM_IN_PROCESS)
-    printed: list[str] = []
-    on = verify_engines(**layout, echo=printed.append)
-    off_engines = ("torch",) if preset in NO_STOCK_FP32_VLLM else ENGINES
-    off_options = {name: options for name, options in VLLM_IN_PROCESS.items() if name in off_engines}
-    off = verify_engines(**{**layout, "engines": off_engines, "engine_options": off_options}, off=True, echo=lambda _: None)
-    assert list(on) == list(ENGINES) and list(off) == list(off_engines)
-    for engine in ENGINES:
-        assert on[engine].engine == engine and on[engine].tokens > 0
-        assert (on[engine].differing, on[engine].max_abs_diff, on[engine].contract_problems) == (0, 0.0, ())
-        assert on[engine].trainer_hash == on[engine].engine_hash
-        # Negative control: stock Megatron numerics differ from each engine's.
-        if engine in off:
-            assert off[engine].tokens > 0 and off[engine].differing > 0
-        assert any(line.startswith(f"engine {engine}: 0 differing tokens of {on[engine].tokens};") for line in printed)
-    # One trainer per setting, and the off one (its Ray ranks too) really ran stock ops: skyrl-torch's
-    # stock contract is the stock trainer's; vLLM's stock ops are its own.
-    assert on["torch"].trainer_hash == on["vllm"].trainer_hash
-    assert off["torch"].trainer_hash == off["torch"].engine_hash != on["torch"].trainer_hash
-    # (A stock contract includes the driver's thread count, which in-process vLLM may change.)
-    if "vllm" in off:
-        assert off["vllm"].trainer_hash != on["vllm"].trainer_hash
-    assert printed[-1].startswith(f"0 differing tokens of {on['torch'].tokens + on['vllm'].tokens};")
-    for engine in ENGINES:  # the numbers docs/isoexec.md records (shown with -rP)
-        control = (f"off {off[engine].differing} of {off[engine].tokens}, {off[engine].max_abs_diff:.1e}"
-                   if engine in off else "off: stock vLLM-CPU has no fp32 GatedDeltaNet")
-        print(f"{preset} tp{tensor_parallel} ep{expert_parallel} {engine}: on 0 of {on[engine].tokens}; {control}")
+def test_both_engines_get_the_megatron_trainers_bits(preset, tensor_parallel, expert_parallel, megatron_verify_layout):
+    megatron_verify_layout(preset, tensor_parallel, expert_parallel)
 
 
 def _cli_run(*args: str):
