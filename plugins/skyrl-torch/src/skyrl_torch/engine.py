@@ -6,7 +6,13 @@ How a ``generate`` call runs:
   Samples of a request are admitted together (as many as there are free slots): their prompt is
   prefilled once, in the first sample's slot, and the cached keys/values are copied to the others.
   Prompts admitted together that start with the same tokens (a chat template's system prompt)
-  have that common prefix prefilled once too.
+  have that common prefix prefilled once too. Prefill forwards take ``PREFILL_TOKENS`` padded
+  tokens at most (a longer prompt goes alone).
+- The cache holds slots x (the longest request in them + 1) positions of every attention layer's
+  keys and values, and never takes more than ``kv_cache_memory_bytes`` (``KVBudget``): waiting
+  samples are admitted in arrival order while the cache that holds them fits; the first that does
+  not waits for samples in flight to finish (the cache may then shrink: in-flight samples move
+  down to the lowest slots first). A request one sample of which cannot fit alone is refused.
 - Each decode step feeds the last token of every in-flight sample in one forward of the model
   (the model's own modules, with the slot cache passed as ``past_key_values`` and a 4D mask), then
   picks every next token at once. Finished samples free their slot and waiting ones take it.
@@ -31,6 +37,7 @@ from __future__ import annotations
 import collections
 import heapq
 import itertools
+import os
 import threading
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
@@ -45,7 +52,7 @@ from skyrl_core.ops import prepare_model, site_scope, token_logprobs
 from skyrl_core.ops.onednn import computes as onednn_computes
 from skyrl_core.types import GeneratedSample, GenerationRequest
 from skyrl_torch.installed_ops_decoder import InstalledOpsDecoder, missing_ops
-from skyrl_torch.kv_cache import SlotKVCache
+from skyrl_torch.kv_cache import KVBudget, SlotKVCache, slot_capacity
 from skyrl_torch.native_decoder import NativeDecoder, unsupported_reason
 from skyrl_torch.options import TorchEngineOptions
 from skyrl_torch.sampling import RowSampling, choose_tokens, sample_seed
@@ -53,8 +60,9 @@ from skyrl_torch.sampling import RowSampling, choose_tokens, sample_seed
 if TYPE_CHECKING:
     from skyrl_core.config.schema import ModelConfig
 
-# recompute_kv: padded tokens per re-prefill forward, at most (a bound on its activations)
-RECOMPUTE_TOKENS = 8192
+# Padded tokens per prefill forward (admitted prompts, recompute_kv's contexts), at most: a bound
+# on its activations, [n, q, kv] mask and attention scores. A longer prompt still goes in one forward.
+PREFILL_TOKENS = 8192
 
 
 @attrs.define(eq=False)
@@ -118,6 +126,7 @@ class TorchEngine:
         self.native = self._native_decoder()
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.max_model_len = self.options.max_model_len or int(getattr(config, "max_position_embeddings", 2048))
+        self.kv_budget = KVBudget.of(config, self.model.dtype, _kv_cache_limit(self.options))
         self.eos_ids = self._eos_ids()
         self._cache: SlotKVCache | None = None
         self._unseeded = itertools.count()
@@ -137,6 +146,18 @@ class TorchEngine:
         self._pause_requested = False
         self._parked = False  # the driver stopped at a token boundary for a pause
         self._kv_stale = False  # recompute_kv was called: re-prefill the active samples before their next token
+
+    @classmethod
+    def kv_budget_of(cls, model: ModelConfig, options: TorchEngineOptions | None = None) -> KVBudget:
+        """The ``kv_budget`` of an engine of ``model`` and ``options``, from the model's config alone
+        (no weights loaded): a server refuses what cannot fit before it joins a batch."""
+        from transformers import AutoConfig
+
+        from skyrl_core.models import build_hf_config, torch_dtype
+
+        options = options if options is not None else TorchEngineOptions()
+        config = AutoConfig.from_pretrained(model.path) if model.path is not None else build_hf_config(model.config)
+        return KVBudget.of(config.get_text_config(), torch_dtype(model.dtype), _kv_cache_limit(options))
 
     # -- InferenceEngine -----------------------------------------------------------------------
 
@@ -329,23 +350,54 @@ class TorchEngine:
                 self._lock.notify_all()
 
     def _admit(self) -> list[list[_Sample]]:
-        """Give free slots to waiting samples (growing the cache as they need); under the lock."""
+        """Give slots to waiting samples, in arrival order, as many as ``max_num_seqs`` and the KV
+        budget allow (resizing the cache as they need); under the lock."""
         if not self._waiting:
             return []
         waiting = [s for g in self._waiting for s in g]
-        in_flight = [*self._active.values(), *waiting]
-        longest = max(len(s.request.prompt_token_ids) + s.request.sampling.max_tokens for s in in_flight)
-        self._ensure_cache(min(len(in_flight), self.options.max_num_seqs), longest)
+        active = list(self._active.values())
+        longest = max(_length(s) for s in (*active, *waiting))
+        num_slots = min(len(active) + len(waiting), self.options.max_num_seqs)
+        admissible = len(waiting)
+        if self.kv_budget.fits(*self._covering(num_slots, longest)):
+            self._ensure_cache(num_slots, longest)
+        else:
+            # Within the budget: the first samples waiting whose cache fits, counting the slots in
+            # use only (in-flight samples can move down to the lowest slots).
+            admissible, longest = self._admissible(active, waiting)
+            if not admissible:
+                if not active:  # (_validate refuses such a request: it would wait forever)
+                    raise RuntimeError(f"request {waiting[0].request.request_id!r} does not fit kv_cache_memory_bytes even alone")
+                return []  # the first waits for samples in flight to finish
+            num_slots = len(active) + admissible
+            if self.kv_budget.fits(*self._covering(num_slots, longest)):
+                self._ensure_cache(num_slots, longest)  # (growing in place, if at all)
+            else:
+                self._resize_cache(num_slots, slot_capacity(longest))
         admitted: list[list[_Sample]] = []
-        while self._waiting and self._free:
+        while self._waiting and self._free and admissible:
             group = self._waiting.popleft()
-            take, rest = group[: len(self._free)], group[len(self._free) :]
+            room = min(len(self._free), admissible)
+            take, rest = group[:room], group[room:]
             if rest:
                 self._waiting.appendleft(rest)
             for s in take:
                 s.slot = heapq.heappop(self._free)
+            admissible -= len(take)
             admitted.append(take)
         return admitted
+
+    def _admissible(self, active: list[_Sample], waiting: list[_Sample]) -> tuple[int, int]:
+        """How many of the first ``waiting`` samples a cache within the budget holds beside the
+        ``active`` ones (one slot each, all of the longest one's capacity), and that length."""
+        longest = max((_length(s) for s in active), default=0)
+        count = 0
+        for s in waiting[: self.options.max_num_seqs - len(active)]:
+            length = max(longest, _length(s))
+            if not self.kv_budget.fits(len(active) + count + 1, slot_capacity(length)):
+                break
+            count, longest = count + 1, length
+        return count, longest
 
     def _iterate(self, admitted: list[list[_Sample]]) -> None:
         """Prefill the admitted samples, then one decode step for every active sample."""
@@ -400,10 +452,14 @@ class TorchEngine:
             if shared >= self.options.shared_prefix_min_tokens:
                 with site_scope("engine_prefill"):
                     self._forward(cache, [primaries[0]], [prompts[0][:shared]], start=0)
-                cache.copy_prefix(primaries[0], primaries[1:], shared)
+                cache.copy_prefix(primaries[0], primaries[1:], shared)  # every group's, whichever forward it goes in
                 start = shared
+        suffixes = [p[start:] for p in prompts]
         with site_scope("engine_prefill"):
-            logits = self._forward(cache, primaries, [p[start:] for p in prompts], start=start)
+            logits = torch.cat([
+                self._forward(cache, [primaries[i] for i in batch], [suffixes[i] for i in batch], start=start)
+                for batch in _prefill_batches([len(t) for t in suffixes])
+            ])
             for g, p in zip(groups, prompts):
                 cache.copy_prefix(g[0].slot, [s.slot for s in g[1:]], len(p))
             flat = [s for g in groups for s in g]
@@ -413,13 +469,13 @@ class TorchEngine:
     def _recompute_kv(self, samples: list[_Sample]) -> None:
         """Prefill each sample's context into its slot again, from position 0 under the current
         weights: its prompt and every chosen token but the last (which the next decode step feeds).
-        The logits go unused. Rows of similar length go together, at most ``RECOMPUTE_TOKENS``
+        The logits go unused. Rows of similar length go together, at most ``PREFILL_TOKENS``
         padded tokens a forward (IsoExec's prefill is batch-invariant: the grouping changes no bit)."""
         cache = self._cache
         batch: list[_Sample] = []
         with site_scope("engine_prefill"):
             for s in sorted(samples, key=lambda s: s.next_position):
-                if batch and (len(batch) + 1) * s.next_position > RECOMPUTE_TOKENS:
+                if batch and (len(batch) + 1) * s.next_position > PREFILL_TOKENS:
                     self._forward(cache, [b.slot for b in batch], [_context(b) for b in batch], start=0)
                     batch = []
                 batch.append(s)
@@ -570,27 +626,44 @@ class TorchEngine:
             device=self._cache.device if self._cache is not None else torch.device("cpu"),
         )
 
-    def _ensure_cache(self, num_slots: int, capacity: int) -> SlotKVCache:
-        """A cache of at least ``num_slots`` slots of ``capacity`` tokens; ``self._free`` its free slots."""
+    def _covering(self, num_slots: int, length: int) -> tuple[int, int]:
+        """The (slots, capacity) of the cache ``_ensure_cache(num_slots, length)`` leaves: it never shrinks."""
+        capacity = slot_capacity(length)
+        if self._cache is None:
+            return num_slots, capacity
+        return max(num_slots, self._cache.num_slots), max(capacity, self._cache.capacity)
+
+    def _ensure_cache(self, num_slots: int, length: int) -> SlotKVCache:
+        """A cache of at least ``num_slots`` slots for sequences of ``length`` tokens; ``self._free`` its free slots."""
+        shape = self._covering(num_slots, length)
+        if self._cache is None or (self._cache.num_slots, self._cache.capacity) != shape:
+            self._resize_cache(*shape)
+        return self._cache
+
+    def _resize_cache(self, num_slots: int, capacity: int) -> None:
+        """A cache of exactly this shape, the samples in flight continuing in it; to fewer slots,
+        they first move down to the lowest (the shape must hold them: ``num_slots`` at least as many,
+        ``capacity`` at least their lengths)."""
         cache = self._cache
-        if cache is not None and self._active and (cache.num_slots < num_slots or cache.capacity < capacity):
-            # samples in flight keep their slots in the grown cache
-            self._cache = cache.grown(num_slots, _round_up(capacity, 64))
-            self._free.extend(range(cache.num_slots, self._cache.num_slots))
-            heapq.heapify(self._free)
-        elif cache is None or cache.num_slots < num_slots or cache.capacity < capacity:
+        if not self._active:
             self._cache = None  # free the old one before allocating the new
             self._free = []
             self._cache = SlotKVCache(
                 num_layers=self.model.config.get_text_config().num_hidden_layers,
-                num_slots=max(num_slots, cache.num_slots if cache else 0),
-                capacity=_round_up(max(capacity, cache.capacity if cache else 0), 64),
+                num_slots=num_slots,
+                capacity=capacity,
                 dtype=self.model.dtype,
                 device=self.options.device,
                 linear_layers=self.linear_layers,
             )
-            self._free = list(range(self._cache.num_slots))
-        return self._cache
+            self._free = list(range(num_slots))
+            return
+        if num_slots < cache.num_slots:
+            self._compact(self._active, self._free, cache)
+            self._layout = None
+        self._cache = cache.resized(num_slots, capacity)
+        self._free = [slot for slot in self._free if slot < num_slots] + list(range(cache.num_slots, num_slots))
+        heapq.heapify(self._free)
 
     def _validate(self, request: GenerationRequest) -> None:
         check_request(request)
@@ -605,6 +678,9 @@ class TorchEngine:
                 f"{where}: prompt ({len(request.prompt_token_ids)} tokens) + max_tokens ({sp.max_tokens}) = {length} "
                 f"exceeds max_model_len {self.max_model_len}"
             )
+        too_long = self.kv_budget.refusal(length)
+        if too_long is not None:  # (admitted alone it would still overflow the budget: it could never run)
+            raise ValueError(f"{where}: {too_long}")
 
     def _native_decoder(self) -> NativeDecoder | InstalledOpsDecoder | None:
         """The lean forward when chosen and possible (over the installed ops when an op plugin
@@ -651,6 +727,38 @@ class TorchEngine:
             raise RuntimeError("this TorchEngine is closed")
 
 
+def _length(s: _Sample) -> int:
+    """Positions a sample's slot must hold: its prompt and every token it may choose."""
+    return len(s.request.prompt_token_ids) + s.request.sampling.max_tokens
+
+
+def _prefill_batches(widths: list[int]) -> list[list[int]]:
+    """Consecutive rows (indices into ``widths``, their token counts) cut into forwards of at most
+    ``PREFILL_TOKENS`` padded tokens each (a row that alone exceeds it goes alone)."""
+    batches: list[list[int]] = []
+    widest = 0
+    for i, width in enumerate(widths):
+        if batches and (len(batches[-1]) + 1) * max(widest, width) <= PREFILL_TOKENS:
+            batches[-1].append(i)
+            widest = max(widest, width)
+        else:
+            batches.append([i])
+            widest = width
+    return batches
+
+
+def _kv_cache_limit(options: TorchEngineOptions) -> int:
+    """``kv_cache_memory_bytes``, by default a quarter of the device's memory: the GPU's total, or
+    this machine's physical memory on CPU."""
+    if options.kv_cache_memory_bytes is not None:
+        return options.kv_cache_memory_bytes
+    if options.device == "cuda":
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    else:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return total // 4
+
+
 def _context(s: _Sample) -> list[int]:
     """The tokens whose keys/values a paused sample's slot holds: positions ``0..next_position - 1``."""
     return [*s.request.prompt_token_ids, *s.token_ids[:-1]]
@@ -676,7 +784,3 @@ def _common_prefix_len(sequences: list[Sequence[int]]) -> int:
         if any(s[i] != t for s in sequences):
             return i
     return n
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple

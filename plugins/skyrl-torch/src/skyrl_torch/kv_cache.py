@@ -20,12 +20,70 @@ which reads and writes the planned rows' slots. ``plan(..., fresh=True)`` (a pre
 0) makes every row start from zero state, whatever its slot held before; otherwise rows continue
 from their slot's state. ``copy_prefix`` copies a slot's state along with its keys/values: a state
 summarises the whole sequence so far, so it is only copied at the end of what the source computed.
+
+``KVBudget`` says, from the model's config, how many bytes a cache of a given shape takes (what
+``nbytes`` is once every layer has written) and the most the engine lets it take.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import attrs
 import torch
 from transformers.cache_utils import Cache
+
+# Slot capacities are rounded up to a multiple of this many positions (fewer reallocations as the
+# lengths of the requests in flight vary).
+CAPACITY_STEP = 64
+
+
+def slot_capacity(length: int) -> int:
+    """The capacity the engine gives slots for sequences of up to ``length`` tokens."""
+    return -(-length // CAPACITY_STEP) * CAPACITY_STEP
+
+
+@attrs.frozen
+class KVBudget:
+    """The bytes of a model's ``SlotKVCache`` by shape, and the most it may take (``limit``: the
+    engine option ``kv_cache_memory_bytes``)."""
+
+    per_position: int  # one cached position of a slot: every full-attention layer's keys and values
+    per_slot: int  # a slot whatever its length: every linear-attention layer's conv and recurrent state
+    limit: int
+
+    @classmethod
+    def of(cls, config: Any, dtype: torch.dtype, limit: int) -> KVBudget:
+        """From a transformers text config, the shapes ``SlotKVCache`` allocates for its layers."""
+        linear = sum(1 for t in getattr(config, "layer_types", None) or () if t == "linear_attention")
+        attention = config.num_hidden_layers - linear
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        per_slot = 0
+        # GatedDeltaNet: conv inputs [q+k+v channels, width] in the model dtype, recurrent state
+        # [v heads, k dim, v dim] in fp32
+        if linear:
+            channels = 2 * config.linear_num_key_heads * config.linear_key_head_dim
+            channels += config.linear_num_value_heads * config.linear_value_head_dim
+            conv = channels * config.linear_conv_kernel_dim * dtype.itemsize
+            recurrent = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
+            per_slot = linear * (conv + recurrent)
+        return cls(per_position=attention * 2 * kv_heads * head_dim * dtype.itemsize, per_slot=per_slot, limit=limit)
+
+    def cache_bytes(self, num_slots: int, capacity: int) -> int:
+        # capacity + 1: the scratch column padding writes to
+        return num_slots * (self.per_slot + self.per_position * (capacity + 1))
+
+    def fits(self, num_slots: int, capacity: int) -> bool:
+        return self.cache_bytes(num_slots, capacity) <= self.limit
+
+    def refusal(self, length: int) -> str | None:
+        """Why one sample of ``length`` tokens (prompt + max_tokens) cannot run even alone; None if it can."""
+        needed = self.cache_bytes(1, slot_capacity(length))
+        if needed <= self.limit:
+            return None
+        return (f"one sample of {length} tokens (prompt + max_tokens) needs {needed} bytes of KV cache, "
+                f"more than kv_cache_memory_bytes ({self.limit})")
 
 
 class SlotKVCache(Cache):
@@ -167,23 +225,25 @@ class SlotKVCache(Cache):
             layer.handed_out = None
         return recurrent_states
 
-    def grown(self, num_slots: int, capacity: int) -> SlotKVCache:
-        """A cache of at least this size holding every slot's keys/values and states where they are,
-        so samples in flight continue in it (an engine admitting more or longer requests mid-run)."""
-        num_slots, capacity = max(num_slots, self.num_slots), max(capacity, self.capacity)
+    def resized(self, num_slots: int, capacity: int) -> SlotKVCache:
+        """A cache of this shape holding the keys/values (up to ``capacity``) and states of slots
+        ``0..num_slots - 1`` where they are, so samples in flight there continue in it: an engine
+        admitting more or longer requests mid-run grows it; one within a memory budget may shrink
+        it, once its samples fit those slots and that capacity."""
         new = SlotKVCache(num_layers=len(self.keys), num_slots=num_slots, capacity=capacity, dtype=self.dtype,
                           device=self.device, linear_layers=self.linear_layers)
+        slots, kept = min(num_slots, self.num_slots), min(capacity, self.capacity)
         for old_layers, new_layers in ((self.keys, new.keys), (self.values, new.values)):
             for i, t in enumerate(old_layers):
                 if t is not None:
-                    bigger = torch.zeros((num_slots, t.shape[1], capacity + 1, t.shape[3]), dtype=t.dtype, device=t.device)
-                    bigger[: self.num_slots, :, : self.capacity] = t[:, :, : self.capacity]
-                    new_layers[i] = bigger
+                    resized = torch.zeros((num_slots, t.shape[1], capacity + 1, t.shape[3]), dtype=t.dtype, device=t.device)
+                    resized[:slots, :, :kept] = t[:slots, :, :kept]
+                    new_layers[i] = resized
         for old_states, new_states in ((self.conv, new.conv), (self.recurrent, new.recurrent)):
             for i, t in old_states.items():
-                bigger = torch.zeros((num_slots, *t.shape[1:]), dtype=t.dtype, device=t.device)
-                bigger[: self.num_slots] = t
-                new_states[i] = bigger
+                resized = torch.zeros((num_slots, *t.shape[1:]), dtype=t.dtype, device=t.device)
+                resized[:slots] = t[:slots]
+                new_states[i] = resized
         return new
 
     def _read(self, stored: torch.Tensor) -> torch.Tensor:

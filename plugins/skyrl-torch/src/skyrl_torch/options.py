@@ -21,6 +21,16 @@ class TorchEngineOptions:
         validator=positive_int,
         metadata={"help": "KV-cache slots: samples decoded together; more samples wait and join as others finish"},
     )
+    kv_cache_memory_bytes: int | None = attrs.field(
+        default=None,
+        validator=optional_positive_int,
+        metadata={
+            "help": "most bytes the KV cache may take (slots x (longest request in them + 1) positions, every "
+            "attention layer's keys and values): samples wait for slots when more would not fit, and a request "
+            "one sample of which cannot fit alone is refused; default: a quarter of the machine's physical "
+            "memory (device cpu) or of the GPU's total memory (device cuda)"
+        },
+    )
     max_model_len: int | None = attrs.field(
         default=None,
         validator=optional_positive_int,
