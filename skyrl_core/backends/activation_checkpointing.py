@@ -5,12 +5,15 @@ intermediate tensor of every layer.
 Applied by replacing each layer's ``forward`` on the instance (not by wrapping the module): names
 of parameters and state-dict keys stay as they are, hooks on the module (FSDP's unshard/reshard)
 still run around the checkpointed body, and the model's train/eval mode does not matter.
+``checkpoint_layers`` does it for good (a backend configured with ``trainer.activation_checkpointing``);
+``checkpointed_layers`` for one computation (a pass too long to keep every activation).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from torch.utils.checkpoint import checkpoint
 
@@ -30,6 +33,22 @@ def checkpoint_layers(layers: Iterable[Any]) -> int:
             layer._skyrl_checkpointed = True
         count += 1
     return count
+
+
+@contextlib.contextmanager
+def checkpointed_layers(layers: Iterable[Any]) -> Iterator[None]:
+    """Checkpoint ``layers`` inside the block, then give each its own ``forward`` back (layers that
+    were checkpointed already stay so)."""
+    changed = [layer for layer in layers if not getattr(layer, "_skyrl_checkpointed", False)]
+    saved = [layer.__dict__.get("forward") for layer in changed]  # an instance-level forward, if any
+    checkpoint_layers(changed)
+    try:
+        yield
+    finally:
+        for layer, forward in zip(changed, saved):
+            del layer.forward, layer._skyrl_checkpointed
+            if forward is not None:
+                layer.forward = forward
 
 
 def decoder_layers(model: Any) -> list[Any]:

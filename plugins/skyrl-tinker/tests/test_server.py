@@ -28,16 +28,21 @@ HEADERS = {"X-API-Key": TEST_KEY}
 # Keys the module's server accepts: the tests' own, and two more for the key isolation test.
 MINE, OTHER = "tml-mine-key", "tml-other-key"
 
+# The torch engine's KV-cache budget on these servers: the tiny model's slots take 1 KiB a position,
+# so 3 slots of 64 positions (samples wait for room beyond them) or one of 192; a sample of more than
+# 192 tokens cannot fit even alone and is refused.
+TORCH_KV_OPTIONS = ("--engine-option", f"kv_cache_memory_bytes={256 * 1024}")
+
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    """The module's server: the torch engine, IsoExec off (explicitly: it is also the negative
-    control's server in test_sampled_logprobs_...[0-torch]), an API key file. Tests share it
-    rather than each starting a server process of its own."""
+    """The module's server: the torch engine (a small KV budget), IsoExec off (explicitly: it is also
+    the negative control's server in test_sampled_logprobs_...[0-torch]), an API key file. Tests share
+    it rather than each starting a server process of its own."""
     root = tmp_path_factory.mktemp("tinker")
     (root / "ck").mkdir()
     (root / "keys").write_text(f"# test keys\n{TEST_KEY}\n{MINE}\n{OTHER}\n")
-    extra = ("--max-request-bytes", str(MAX_BODY), "--api-keys", str(root / "keys"))
+    extra = ("--max-request-bytes", str(MAX_BODY), "--api-keys", str(root / "keys"), *TORCH_KV_OPTIONS)
     with serve(tiny_model, root / "ck", extra=extra, env={"SKYRL_ISOEXEC": "0"}) as url:
         yield url, root / "ck"
 
@@ -241,19 +246,24 @@ def test_bad_input_gets_a_clear_4xx_and_the_server_keeps_serving(server, connect
         connect(url).create_lora_training_client(base_model="other", rank=4).result()
     assert len(_sl_steps(tc, 1)) == 1
     # Sampling values no engine can take are refused at submission (in the engine they would fail
-    # every request batched with them), and the sampler serves on.
+    # every request batched with them), and the sampler serves on: also one sample too long for the
+    # torch engine's KV budget even alone (5 + 200 tokens: 257 positions of 1 KiB > 256 KiB).
     # (The SDK sends no NaN; a raw client can: JSON's NaN literal.)
     sampler = tc.save_weights_and_get_sampling_client().result()
     prompt = types.ModelInput.from_ints(SENTENCE[:5])
     with httpx.Client(base_url=url, timeout=30) as http:
         for params, message in (({"temperature": float("nan")}, "sampling_params.temperature must be a finite number >= 0"),
                                 ({"temperature": float("inf")}, "sampling_params.temperature must be a finite number >= 0"),
-                                ({"seed": 1 << 70}, "sampling_params.seed must be None or an integer in [-2**63, 2**64)")):
+                                ({"seed": 1 << 70}, "sampling_params.seed must be None or an integer in [-2**63, 2**64)"),
+                                ({"max_tokens": 200}, "sampling_params.max_tokens: 200 with a 5-token prompt: one sample of 205 tokens "
+                                                      "(prompt + max_tokens) needs 263168 bytes of KV cache, more than kv_cache_memory_bytes (262144)")):
             sample = types.SampleRequest(num_samples=1, prompt=prompt, base_model="tiny", sampling_params=types.SamplingParams(max_tokens=4))
             raw = sample.model_dump(mode="json")
             raw["sampling_params"].update(params)
             r = http.post("/api/v1/asample", content=json.dumps(raw), headers={"Content-Type": "application/json", **HEADERS})
             assert r.status_code == 400 and message in r.text, r.text
+    with pytest.raises(Exception, match="kv_cache_memory_bytes"):
+        sampler.sample(prompt, num_samples=1, sampling_params=types.SamplingParams(max_tokens=200, seed=1)).result()
     served = sampler.sample(prompt, num_samples=1, sampling_params=types.SamplingParams(max_tokens=4, seed=1)).result()
     assert len(served.sequences[0].tokens) == 4
 
@@ -319,7 +329,7 @@ def test_api_keys_authenticate_and_isolate(server, connect):
 
 
 ENGINES = {  # name -> (serve arguments, environment); the engine's module is checked in the server's log
-    "torch": ((), {}),
+    "torch": (TORCH_KV_OPTIONS, {}),  # as the module's server
     # A real vLLM-CPU engine in the server's process, small KV cache (vLLM's cache: the test session's isolated one, inherited).
     "vllm": (("--engine", "vllm", "--engine-option", "kv_cache_memory_bytes=33554432", "--engine-option", "max_model_len=128",
               "--engine-option", "multiprocess=false"), {}),

@@ -64,11 +64,112 @@ def test_passes_go_in_order_of_length_and_results_come_back_in_the_callers_order
     trainer.create("a", rank=4, alpha=32.0, groups=("attn", "mlp"), seed=1)
     examples = _examples()  # lengths 7, 5, 9
     alone = [trainer.forward("a", [e], "importance_sampling", None)[0][0] for e in examples]
-    # room for two positions-times-rows of the longest datum: passes of at most two short rows
-    monkeypatch.setattr(trainer_module, "MICRO_BATCH_BYTES", 14 * trainer.bytes_per_token)
+    # room for two rows of 7 positions: passes of at most two short rows
+    monkeypatch.setattr(trainer_module, "MICRO_BATCH_BYTES", trainer.pass_bytes(2, 7))
     plan = list(trainer._micro_batches(examples))
     assert plan == [[1, 0], [2]]  # by length: 5 and 7 pad to 14 positions together; 9 alone
     logprobs, _ = trainer.forward("a", examples, "importance_sampling", None)
     assert [len(x) for x in logprobs] == [7, 5, 9]  # the caller's order, each its own length
     for got, want in zip(logprobs, alone):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+
+
+def _saved_bytes(trainer: LoraTrainer, examples: list[Example]) -> tuple[int, list[np.ndarray], dict[str, torch.Tensor]]:
+    """Bytes autograd saved for backward in one ``forward_backward``, its logprobs and gradients."""
+    saved = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logprobs, _ = trainer.forward_backward("a", examples, "importance_sampling", None)
+    grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    trainer.model.zero_grad(set_to_none=True)
+    return sum(saved), logprobs, grads
+
+
+def test_a_datum_too_long_to_keep_every_activation_trains_with_checkpointed_layers_and_the_same_bits(tiny_model):
+    # A long SFT datum used to keep every layer's activations (SmolLM2: 3.9 MB a position plus
+    # the attention scores, 4.2 GiB at 1024 tokens): 4096 tokens outgrew a 24 GiB machine.
+    trainer, _, _ = _train(tiny_model, "torch")
+    trainer.model.zero_grad(set_to_none=True)
+    rng = np.random.default_rng(3)
+    full = rng.integers(0, 256, size=41)
+    long = [Example(full[:-1].astype(np.int64), {"target_tokens": full[1:].astype(np.int64),
+                                                 "logprobs": -rng.random(40).astype(np.float32),
+                                                 "advantages": rng.normal(size=40).astype(np.float32)})]
+    layers = [layer.forward for layer in trainer.model.model.layers]
+    plain_bytes, plain_logprobs, plain_grads = _saved_bytes(trainer, long)
+    trainer.checkpoint_above_bytes = trainer.pass_bytes(1, 40) - 1  # this datum is now "too long"
+    checkpointed_bytes, logprobs, grads = _saved_bytes(trainer, long)
+    assert checkpointed_bytes < plain_bytes / 2  # only layer inputs were kept
+    # the same computation: logprobs and gradients bit for bit
+    assert plain_grads and set(grads) == set(plain_grads)
+    for name in grads:
+        assert torch.equal(grads[name].view(torch.int32), plain_grads[name].view(torch.int32)), name
+    assert np.array_equal(logprobs[0].view(np.int32), plain_logprobs[0].view(np.int32))
+    # the layers are their own again after the pass
+    assert [layer.forward for layer in trainer.model.model.layers] == layers
+    assert not any(hasattr(layer, "_skyrl_checkpointed") for layer in trainer.model.model.layers)
+    again, _, _ = _saved_bytes(trainer, _examples())
+    assert again > 0 and trainer.pass_bytes(1, 9) <= trainer.checkpoint_above_bytes
+
+
+def test_the_longest_trainable_datum_fits_half_the_machines_memory(tiny_model):
+    from skyrl_tinker.trainer import PASS_MEMORY_SHARE, physical_memory_bytes
+
+    trainer = LoraTrainer(tiny_model)
+    limit = int(PASS_MEMORY_SHARE * physical_memory_bytes())
+    longest = trainer.max_train_tokens
+    assert trainer.pass_bytes(1, longest, checkpointed=True) <= limit < trainer.pass_bytes(1, longest + 1, checkpointed=True)
+
+
+def test_the_server_refuses_a_datum_longer_than_a_pass_can_hold_before_queueing_it(tiny_model, tmp_path):
+    from skyrl_tinker.service import TinkerError, TinkerService
+    from skyrl_tinker.wire import ForwardBackwardCall, WireDatum
+
+    service = TinkerService(tiny_model, db_url=f"sqlite:///{tmp_path / 'db.sqlite'}", checkpoint_dir=str(tmp_path / "ckpt"))
+    try:
+        service.trainer.max_train_tokens = 6  # as a big model's long context on a small machine would
+        ids = np.arange(1, 9, dtype=np.int64)
+
+        def call(length: int) -> ForwardBackwardCall:
+            return ForwardBackwardCall(model_id="m", seq_id=0, loss_fn="cross_entropy", loss_fn_config={}, forward_only=False,
+                                       data=[WireDatum(ids[:length], {"target_tokens": ids[1:length + 1], "weights": np.ones(length, np.float32)})])
+
+        assert len(service._examples(call(6))) == 1
+        with pytest.raises(TinkerError, match=r"data\[0\]\.model_input: 7 tokens; a training pass of one datum may hold 6 "):
+            service._examples(call(7))
+    finally:
+        service.close()
+
+
+def test_the_server_refuses_a_training_run_beyond_the_adapters_share_of_memory(tiny_model, tmp_path):
+    from types import SimpleNamespace
+
+    from skyrl_tinker.service import TinkerError, TinkerService
+    from skyrl_tinker.store import ModelRow
+
+    service = TinkerService(tiny_model, db_url=f"sqlite:///{tmp_path / 'db.sqlite'}", checkpoint_dir=str(tmp_path / "ckpt"))
+    try:
+        one = service.trainer.adapter_bytes(4, ("attn", "mlp"))
+        modules = [service.trainer.model.get_submodule(n) for n in service.trainer.check_groups(("attn", "mlp"))]
+        assert one == 16 * 4 * sum(m.in_features + m.out_features for m in modules) > 0
+        service.trainer.adapter_memory_bytes = 2 * one  # room for two rank-4 runs
+        session = service.create_session("alice", [], None, "test")
+
+        def create(seq: int, rank: int = 4) -> dict:
+            lora = SimpleNamespace(rank=rank, train_attn=True, train_mlp=True, train_unembed=False, seed=seq)
+            return service.create_model("alice", SimpleNamespace(session_id=session, base_model=None, optimizer_config=None,
+                                                                 lora_config=lora, model_seq_id=seq, user_metadata=None))
+
+        create(0), create(1)
+        with pytest.raises(TinkerError, match=r"lora_config.rank: a training run of rank 4 on attn, mlp holds .* this server's 2 runs hold"):
+            create(2)
+        with pytest.raises(TinkerError, match="rank 1 on attn, mlp"):
+            create(3, rank=1)  # even a smaller one: the share is full
+        assert service.store.get(ModelRow, f"{session}:train:0") is not None
+        assert service.store.get(ModelRow, f"{session}:train:2") is None  # nothing made
+    finally:
+        service.close()

@@ -76,6 +76,12 @@ class BackendLoraTrainer(LoraTrainer):
                                             cpu_gemm=self.cpu_gemm)
         self.adapters[name] = Adapter(name, rank, alpha, groups, seed, optimizer=None)
 
+    def adapter_bytes(self, rank: int, groups: tuple[str, ...]) -> int:
+        """The adapter and its backend's own copy of the base model (fp32 weights as loaded and as
+        shards, about 2.6 copies, measured for ``skyrl_core.trainer.memory_estimate``)."""
+        parameters = sum(p.numel() for p in self.model.parameters())
+        return super().adapter_bytes(rank, groups) + int(2.6 * 4 * parameters)
+
     def remove(self, name: str) -> None:
         self.adapters.pop(name, None)
         backend = self.backends.pop(name, None)

@@ -95,12 +95,16 @@ class TinkerService:
         lora_alpha: float = DEFAULT_LORA_ALPHA,
         cpu_gemm: str = "auto",
     ) -> None:
+        from skyrl_tinker.sampler import kv_budget
         from skyrl_tinker.trainer import LoraTrainer
 
         self.model_dir = model_dir
         self.base_model = base_model or os.path.basename(os.path.normpath(model_dir))
         self.engine_name = engine
         self.engine_options = dict(engine_options or {})
+        self.engine_kv_budget = kv_budget(engine, model_dir, self.engine_options)  # None: the engine has none
+        self._adapter_memory: dict[str, int] = {}  # model id -> bytes its adapter holds (or will)
+        self._adapter_memory_lock = threading.Lock()
         self.lora_alpha = lora_alpha
         self.checkpoint_dir = os.path.abspath(checkpoint_dir)
         # Models made by another process have lost their adapters; futures it issued and never
@@ -381,9 +385,27 @@ class TinkerService:
 
         return self.submit(owner, "create_model", model_id, work)
 
+    def _reserve_adapter_memory(self, model_id: str, rank: int, groups: tuple[str, ...]) -> None:
+        """Count a new training run's memory against the adapters' share of the machine, or refuse
+        it (400) before anything is made: a client creating many high-rank runs would otherwise
+        grow the server until the kernel kills it, with every other run's unsaved state."""
+        need = self.trainer.adapter_bytes(rank, groups)
+        with self._adapter_memory_lock:
+            held = sum(self._adapter_memory.values())
+            if held + need > self.trainer.adapter_memory_bytes:
+                raise TinkerError(
+                    f"lora_config.rank: a training run of rank {rank} on {', '.join(groups)} holds {need / 2**20:.0f} MiB "
+                    f"(weights, gradients, AdamW moments); this server's {len(self._adapter_memory)} runs hold "
+                    f"{held / 2**20:.0f} MiB of the {self.trainer.adapter_memory_bytes / 2**20:.0f} MiB they may use "
+                    "(a quarter of its memory; runs live until the server restarts). Use a lower rank, or "
+                    "restart the server and resume from checkpoints"
+                )
+            self._adapter_memory[model_id] = need
+
     def _new_model(self, owner: str, model_id: str, session_id: str, spec: dict[str, Any], user_metadata: Any) -> None:
         if self.store.get(ModelRow, model_id) is not None:
             raise TinkerError(f"model_seq_id: model {model_id!r} exists in this session", status=409)
+        self._reserve_adapter_memory(model_id, int(spec["rank"]), tuple(spec["groups"]))
         self.store.add(
             ModelRow(
                 id=model_id, owner=owner, session_id=session_id, base_model=self.base_model, lora_rank=spec["rank"],
@@ -422,6 +444,9 @@ class TinkerService:
                 raise TinkerError(f"{where}.model_input: no tokens")
             if T > self.trainer.max_len:
                 raise TinkerError(f"{where}.model_input: {T} tokens, more than the model's {self.trainer.max_len}")
+            if T > self.trainer.max_train_tokens:  # (a big model's long context on a small machine)
+                raise TinkerError(f"{where}.model_input: {T} tokens; a training pass of one datum may hold "
+                                  f"{self.trainer.max_train_tokens} on this server's machine (half its memory)")
             _check_ids(datum.tokens, self.trainer.vocab_size, f"{where}.model_input")
             for name in rule.required:
                 if name not in datum.inputs:
@@ -694,6 +719,10 @@ class TinkerService:
         positions = min(self.trainer.max_len, int(self.engine_options.get("max_model_len") or self.trainer.max_len))
         if max_tokens < 1 or len(prompt) + max_tokens > positions:
             raise TinkerError(f"sampling_params.max_tokens: {max_tokens} with a {len(prompt)}-token prompt does not fit the sampler's {positions} positions")
+        # likewise one sample beyond the engine's KV-cache budget (--engine-option kv_cache_memory_bytes)
+        too_long = self.engine_kv_budget.refusal(len(prompt) + max_tokens) if self.engine_kv_budget is not None else None
+        if too_long is not None:
+            raise TinkerError(f"sampling_params.max_tokens: {max_tokens} with a {len(prompt)}-token prompt: {too_long}")
         if not 1 <= request.num_samples <= 1024:
             raise TinkerError(f"num_samples: must be in [1, 1024]; got {request.num_samples}")
         for field in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):

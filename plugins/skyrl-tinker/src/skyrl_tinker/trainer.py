@@ -28,8 +28,9 @@ import numpy as np
 import torch
 
 from skyrl_core import lora
+from skyrl_core.backends.activation_checkpointing import checkpointed_layers, decoder_layers
 from skyrl_core.config.schema import ModelConfig
-from skyrl_core.heap import keep_freed_memory, release_freed_memory
+from skyrl_core.heap import keep_freed_memory, own_maps_above, release_freed_memory
 from skyrl_core.models import load_causal_lm
 from skyrl_core.ops import prepare_model, site_scope, token_logprobs
 from skyrl_core.ops.chunked_logprobs import chunked_token_logprobs, output_head, with_final_hidden
@@ -50,6 +51,17 @@ MICRO_BATCH_BYTES = 1 << 30
 LOGPROB_CHUNK_BYTES = 64 << 20
 # Passes estimated at this size or more give the freed heap back to the OS afterwards.
 RELEASE_AFTER_BYTES = 1 << 28
+# A datum whose pass would take more than this share of the machine's memory runs with its decoder
+# layers checkpointed (backward recomputes one layer at a time from its input)...
+CHECKPOINT_ABOVE_MEMORY_SHARE = 0.25
+# ... and one that would take more than this share even so is refused at submission
+# (``max_train_tokens``).
+PASS_MEMORY_SHARE = 0.5
+# Long passes give allocations of this size or more their own memory maps (``skyrl_core.heap``).
+LONG_PASS_MMAP_MIB = 32
+# The training runs (adapters) of a server may hold at most this share of the machine's memory:
+# the SDK has no call that unloads one, so they live until the server stops.
+ADAPTER_MEMORY_SHARE = 0.25
 
 
 @attrs.frozen
@@ -111,13 +123,45 @@ class LoraTrainer:
         mlp = int(getattr(self.config, "intermediate_size", 0) or 4 * hidden)
         layers = int(getattr(self.config, "num_hidden_layers", 0))
         self.bytes_per_token = 4 * layers * (24 * hidden + 12 * mlp)
+        self.layers, self.heads = layers, int(getattr(self.config, "num_attention_heads", 1))
+        # With its layers checkpointed a pass keeps each layer's input and the residual stream, and
+        # one layer's activations while backward recomputes it (SmolLM2: 0.27 MB a position, not 3.9)
+        self.checkpointed_bytes_per_token = 4 * (2 * layers * hidden + 24 * hidden + 12 * mlp)
+        memory = physical_memory_bytes()
+        self.checkpoint_above_bytes = int(CHECKPOINT_ABOVE_MEMORY_SHARE * memory)
+        self.max_train_tokens = self._longest_within(int(PASS_MEMORY_SHARE * memory))
+        self.adapter_memory_bytes = int(ADAPTER_MEMORY_SHARE * memory)
         self.adapters: dict[str, Adapter] = {}
+
+    def pass_bytes(self, rows: int, length: int, *, checkpointed: bool = False) -> int:
+        """Estimated memory of a training pass over ``rows`` data padded to ``length``. Attention
+        (eager, fp32) adds per head and (query, key) pair: the scores and probabilities every layer
+        keeps for backward, or with checkpointing one layer's, their gradients and the mask (a
+        1024-token SmolLM2 datum: 4.2 GiB measured; 2048 checkpointed: 1.5)."""
+        square = rows * length * length
+        if checkpointed:
+            return rows * length * self.checkpointed_bytes_per_token + 4 * (4 * self.heads + 2) * square
+        return rows * length * self.bytes_per_token + 4 * 2 * self.layers * self.heads * square
+
+    def _longest_within(self, limit: int) -> int:
+        """The longest datum a checkpointed pass holds within ``limit`` bytes."""
+        low, high = 0, 1 << 24
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if self.pass_bytes(1, mid, checkpointed=True) <= limit else (low, mid - 1)
+        return low
 
     # --- adapters ---------------------------------------------------------------------------------
 
     def check_groups(self, groups: tuple[str, ...]) -> list[str]:
         """The modules ``groups`` cover, or ``ValueError`` (before any adapter is made)."""
         return lora.target_modules(self.model, groups)
+
+    def adapter_bytes(self, rank: int, groups: tuple[str, ...]) -> int:
+        """Memory one adapter of ``rank`` on ``groups`` holds: A and B in fp32, their gradients and
+        AdamW's two moments (SmolLM2, attention and MLP: 39 MB at rank 8, 1.25 GB at rank 256)."""
+        modules = [self.model.get_submodule(name) for name in self.check_groups(groups)]
+        return 16 * rank * sum(m.in_features + m.out_features for m in modules)
 
     def create(self, name: str, *, rank: int, alpha: float, groups: tuple[str, ...], seed: int) -> None:
         if name in self.adapters:
@@ -224,7 +268,7 @@ class LoraTrainer:
         order = sorted(range(len(examples)), key=lambda i: len(examples[i].tokens))
         part: list[int] = []
         for i in order:  # ascending: the datum joining a pass is its longest
-            if part and (len(part) + 1) * len(examples[i].tokens) * self.bytes_per_token > MICRO_BATCH_BYTES:
+            if part and self.pass_bytes(len(part) + 1, len(examples[i].tokens)) > MICRO_BATCH_BYTES:
                 yield part
                 part = []
             part.append(i)
@@ -241,8 +285,17 @@ class LoraTrainer:
         for indices in self._micro_batches(examples):
             part = [examples[i] for i in indices]
             ids, mask, inputs = self._pad(part)
-            largest = max(largest, ids.numel() * self.bytes_per_token)
-            with torch.set_grad_enabled(backward), site_scope("trainer_forward" if backward else "trainer_score"):
+            estimate = self.pass_bytes(*ids.shape)
+            largest = max(largest, estimate)
+            # (one datum: _micro_batches puts no second datum in a pass this large)
+            long_pass = estimate > self.checkpoint_above_bytes
+            with contextlib.ExitStack() as scope:
+                scope.enter_context(torch.set_grad_enabled(backward))
+                scope.enter_context(site_scope("trainer_forward" if backward else "trainer_score"))
+                if long_pass:
+                    scope.enter_context(own_maps_above(LONG_PASS_MMAP_MIB))
+                    if backward:
+                        scope.enter_context(checkpointed_layers(decoder_layers(self.model)))
                 logprobs = self._logprobs(ids, mask, inputs["target_tokens"])
                 loss, metrics = compute_loss(loss_fn, loss_config, logprobs, inputs, mask)
                 if backward:
@@ -344,6 +397,10 @@ class LoraTrainer:
         else:
             adapter.optimizer.state.clear()
         adapter.steps = int(read_meta(directory).get("steps", 0)) if optimizer else 0
+
+
+def physical_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def read_adapter(directory: str) -> dict[str, torch.Tensor]:
