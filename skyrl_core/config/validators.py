@@ -9,6 +9,7 @@ the allowed values and suggests the closest one. Importing this module imports o
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import attrs
@@ -22,8 +23,14 @@ def field_name(instance: Any, attribute: attrs.Attribute) -> str:
     return f"{type(instance).__name__}.{attribute.name}" if attrs.has(type(instance)) else attribute.name
 
 
-def _is_int(value: Any) -> bool:
+def is_integer(value: Any) -> bool:
+    """An int that is not a bool (``True`` is an int to Python, not a count to a user)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_finite_number(value: Any) -> bool:
+    """An int or float that is not a bool, NaN or an infinity."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def one_of(*allowed: Any, optional: bool = False) -> Validator:
@@ -40,17 +47,17 @@ def one_of(*allowed: Any, optional: bool = False) -> Validator:
 
 
 def positive_int(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if not _is_int(value) or value < 1:
+    if not is_integer(value) or value < 1:
         raise ValueError(f"{field_name(instance, attribute)} must be an integer >= 1; got {value!r}")
 
 
 def optional_positive_int(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if value is not None and (not _is_int(value) or value < 1):
+    if value is not None and (not is_integer(value) or value < 1):
         raise ValueError(f"{field_name(instance, attribute)} must be a positive integer or null; got {value!r}")
 
 
 def non_negative_int(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if not _is_int(value) or value < 0:
+    if not is_integer(value) or value < 0:
         raise ValueError(f"{field_name(instance, attribute)} must be an integer >= 0; got {value!r}")
 
 

@@ -44,3 +44,12 @@ def test_a_good_request_passes():
     edges = SamplingParams(temperature=0.0, top_p=1.0, top_k=0, seed=(1 << 64) - 1)  # greedy, no filters, the largest seed
     check_request(GenerationRequest(request_id="edges", prompt_token_ids=(1,), sampling=edges))
     check_request(GenerationRequest(request_id="neg", prompt_token_ids=(1,), sampling=SamplingParams(seed=-(1 << 63))))
+
+
+def test_a_server_names_the_sampling_values_as_its_own_requests_do():
+    request = GenerationRequest(request_id="s", prompt_token_ids=(1,), sampling=SamplingParams(temperature=float("nan")))
+    with pytest.raises(ValueError) as info:
+        check_request(request, sampling_field="sampling_params")
+    assert str(info.value) == "sampling_params.temperature must be a finite number >= 0 (0: greedy), got nan"
+    with pytest.raises(ValueError, match=r"^request 's': sampling\.temperature must be"):
+        check_request(request)

@@ -245,6 +245,16 @@ def test_bad_input_gets_a_clear_4xx_and_the_server_keeps_serving(server, connect
     with pytest.raises(Exception, match="is not served here; this server serves 'tiny'"):
         connect(url).create_lora_training_client(base_model="other", rank=4).result()
     assert len(_sl_steps(tc, 1)) == 1
+    # Checkpoint names are one directory name: '..' named the run's own directory, and saving
+    # there replaced it whole (every checkpoint of the run); '.', a trailing newline, a slash too.
+    kept = tc.save_state("kept").result().path
+    for name in ("..", ".", "kept\n", "a/b", ".hidden"):
+        with pytest.raises(Exception, match="is not a checkpoint name"):
+            tc.save_state(name).result()
+        with pytest.raises(Exception, match="is not a checkpoint name"):
+            tc.save_weights_for_sampler(name).result()
+    tc.load_state(kept).result()  # still there
+    assert kept in [c.tinker_path for c in connect(url).create_rest_client().list_checkpoints(tc.model_id).result().checkpoints]
     # Sampling values no engine can take are refused at submission (in the engine they would fail
     # every request batched with them), and the sampler serves on: also one sample too long for the
     # torch engine's KV budget even alone (5 + 200 tokens: 257 positions of 1 KiB > 256 KiB).

@@ -45,7 +45,9 @@ from skyrl_tinker.wire import ForwardBackwardCall, encode_forward_backward_outpu
 
 log = logging.getLogger("skyrl_tinker")
 
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+# A checkpoint name is one directory name: it starts with a letter, digit or '_' (so never '.' or
+# '..', which would name the run's own directory or its parent: saving there replaced them whole).
+NAME_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
 MAX_LORA_RANK = 256
 DEFAULT_LORA_ALPHA = 32.0
 
@@ -526,12 +528,16 @@ class TinkerService:
     def _checkpoint_name(self, name: str | None, field: str = "path") -> str:
         if name is None:
             return f"auto-{uuid.uuid4().hex[:12]}"
-        if not NAME_PATTERN.match(name):
-            raise TinkerError(f"{field}: {name!r} is not a checkpoint name (letters, digits, '_', '.', '-'; at most 128)")
+        if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
+            raise TinkerError(f"{field}: {name!r} is not a checkpoint name (letters, digits, '_', '.', '-', at most 128, "
+                              "starting with a letter, digit or '_')")
         return name
 
     def _checkpoint_dir(self, owner: str, model_id: str, checkpoint_id: str) -> str:
-        return os.path.join(self.checkpoint_dir, owner, model_id.replace(":", "_"), checkpoint_id)
+        directory = os.path.normpath(os.path.join(self.checkpoint_dir, owner, model_id.replace(":", "_"), checkpoint_id))
+        if os.path.commonpath([directory, self.checkpoint_dir]) != self.checkpoint_dir or directory == self.checkpoint_dir:
+            raise TinkerError(f"path: {checkpoint_id!r} does not name a checkpoint inside this server's checkpoint directory")
+        return directory
 
     def _reserve_checkpoint(self, owner: str, model_id: str, kind: str, name: str, overwrite: bool) -> tuple[str, str, str]:
         segment = "weights" if kind == "training" else "sampler_weights"
@@ -746,9 +752,10 @@ class TinkerService:
                                 stop=stop_strings, stop_token_ids=stop_ids)
         try:  # what no engine can sample (a NaN temperature, a seed no generator takes), refused here:
             # in the engine it would fail every request batched with this one
-            check_request(GenerationRequest(request_id="sample", prompt_token_ids=tuple(prompt), sampling=params))
+            check_request(GenerationRequest(request_id="sample", prompt_token_ids=tuple(prompt), sampling=params),
+                          sampling_field="sampling_params")
         except ValueError as error:
-            raise TinkerError(str(error).replace("request 'sample': sampling.", "sampling_params.")) from None
+            raise TinkerError(str(error)) from None
 
         job = SampleJob(model_path, checkpoint_dir, prompt, params, bool(request.prompt_logprobs))
         # Sequence identity is fixed at submission: one id per requested sample, in response order.
