@@ -11,7 +11,8 @@ The estimate adds, on one machine:
   tensors, or only layer inputs plus one layer with ``trainer.activation_checkpointing``), and its
   attention mask;
 - one chunk of logits (``trainer.logprob_chunk_tokens`` positions x vocabulary) and its copies;
-- the engine's KV cache for the samples decoded together;
+- the engine's KV cache for the samples decoded together, or its ``kv_cache_memory_bytes`` when
+  given (skyrl-torch holds at most that, vLLM all of it);
 - this process as it is now (interpreter, libraries), and each further rank process.
 Per-token activation sizes were measured on SmolLM2 (autograd's saved tensors, fp32, SDPA): about
 52 KiB per token per layer at hidden 576 / intermediate 1536; the formula below is 1.1x that.
@@ -156,6 +157,9 @@ def estimate_step_memory(cfg: Config, *, baseline_bytes: int, hf_config: Any = N
 
     activations = world * micro_tokens * activation_bytes_per_token(hf_config, checkpointing=tc.activation_checkpointing)
     kv_cache = slots * capacity * kv_bytes_per_token
+    kv_limit = _option(cfg.engine, "kv_cache_memory_bytes", None)
+    if kv_limit is not None:  # what the engine is told to hold: skyrl-torch at most, vLLM all of it
+        kv_cache = int(kv_limit)
     training = activations + world * rows_in_micro * longest * longest * FP32 + world * LOGIT_COPIES * chunk * vocab * FP32
     parts = {
         "this process now": baseline_bytes,
@@ -220,7 +224,7 @@ def check_step_memory(cfg: Config, *, usable: int | None = None,
         f"{str(tc.activation_checkpointing).lower()}), lower trainer.logprob_chunk_tokens (now "
         f"{tc.logprob_chunk_tokens}), rollout.max_prompt_tokens / rollout.max_response_tokens, or the "
         f"samples decoded together (data.prompts_per_step x generation.n_samples, the engine's "
-        f"max_num_seqs), or set trainer.engine_sleep=true (now {str(tc.engine_sleep).lower()}); "
+        f"max_num_seqs) or the engine's KV cache (engine.options.kv_cache_memory_bytes), or set trainer.engine_sleep=true (now {str(tc.engine_sleep).lower()}); "
         f"trainer.memory_check=false skips this check"
     )
     raise ConfigError([ConfigIssue(path="trainer.micro_batch_tokens", message=message)])

@@ -172,3 +172,15 @@ def test_a_run_with_every_memory_option_trains_and_a_failing_step_says_where(tmp
     with pytest.raises(StepFailedError, match=r"^step 1 failed while training .*MemoryError: cannot allocate"):
         train(cfg, plugin_manager=fresh_plugin_manager)
     assert [r["step"] for r in read_metrics(cfg.trainer.output_dir)] == [0]
+
+
+def test_an_engine_kv_budget_stands_in_for_the_cache_it_bounds(tmp_path):
+    # slots x (prompt + response budget) positions at 46 KiB each (SmolLM2-like); an engine told to
+    # hold 256 MiB holds that (skyrl-torch at most, vLLM exactly), and the estimate says so
+    raw = _config(tmp_path, rollout={"max_prompt_tokens": 1024, "max_response_tokens": 512},
+                  generation={"n_samples": 4, "max_new_tokens": 64})
+    raw["model"] = {"config": SMOLLM2_LIKE}
+    unbounded = _estimate(structure_config(raw)).parts["engine KV cache"]
+    raw["engine"] = {"name": "torch", "options": {"kv_cache_memory_bytes": 256 << 20}}
+    bounded = _estimate(structure_config(raw)).parts["engine KV cache"]
+    assert bounded == 256 << 20 < unbounded
