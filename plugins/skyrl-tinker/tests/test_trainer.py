@@ -123,6 +123,12 @@ def test_the_longest_trainable_datum_fits_half_the_machines_memory(tiny_model):
     limit = int(PASS_MEMORY_SHARE * physical_memory_bytes())
     longest = trainer.max_train_tokens
     assert trainer.pass_bytes(1, longest, checkpointed=True) <= limit < trainer.pass_bytes(1, longest + 1, checkpointed=True)
+    # the FSDP backend keeps every activation of a pass: its longest datum is a plain pass's
+    from skyrl_tinker.backend_trainer import BackendLoraTrainer
+
+    backend = BackendLoraTrainer(tiny_model, "fsdp")
+    plain = backend.max_train_tokens
+    assert backend.pass_bytes(1, plain) <= limit < backend.pass_bytes(1, plain + 1)
 
 
 def test_the_server_refuses_a_datum_longer_than_a_pass_can_hold_before_queueing_it(tiny_model, tmp_path):

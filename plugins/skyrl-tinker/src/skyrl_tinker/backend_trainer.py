@@ -31,7 +31,8 @@ import torch
 from skyrl_core.config.schema import ModelConfig, TrainerConfig
 from skyrl_core.types import OptimizerHyperparams, TrainingBatch
 from skyrl_tinker.losses import compute_loss
-from skyrl_tinker.trainer import ADAPTER_FILE, META_FILE, MICRO_BATCH_BYTES, AdamStep, Adapter, Example, LoraTrainer, read_meta
+from skyrl_tinker.trainer import (ADAPTER_FILE, META_FILE, MICRO_BATCH_BYTES, PASS_MEMORY_SHARE, AdamStep, Adapter, Example,
+                                  LoraTrainer, physical_memory_bytes, read_meta)
 
 BACKEND_DIR = "backend"  # the backend's own checkpoint inside a Tinker training checkpoint
 # Tinker loss input -> the TrainingBatch field that carries it through the backend's micro-batches.
@@ -59,6 +60,9 @@ class BackendLoraTrainer(LoraTrainer):
         if backend not in BACKENDS:
             raise ValueError(f"backend {backend!r}: Tinker training runs on {', '.join(BACKENDS)}")
         super().__init__(model_dir, cpu_gemm=cpu_gemm)
+        # The backend keeps every activation of a pass (it checkpoints only when built so, for
+        # every pass): a longer datum is refused at submission instead (SmolLM2 on 24 GiB: ~1650 tokens).
+        self.max_train_tokens = self._longest_within(int(PASS_MEMORY_SHARE * physical_memory_bytes()), checkpointed=False)
         self.cpu_gemm = cpu_gemm
         self.model_dir = model_dir
         self.backend_name = backend

@@ -143,12 +143,12 @@ class LoraTrainer:
             return rows * length * self.checkpointed_bytes_per_token + 4 * (4 * self.heads + 2) * square
         return rows * length * self.bytes_per_token + 4 * 2 * self.layers * self.heads * square
 
-    def _longest_within(self, limit: int) -> int:
-        """The longest datum a checkpointed pass holds within ``limit`` bytes."""
+    def _longest_within(self, limit: int, *, checkpointed: bool = True) -> int:
+        """The longest datum a pass (checkpointed or not) holds within ``limit`` bytes."""
         low, high = 0, 1 << 24
         while low < high:
             mid = (low + high + 1) // 2
-            low, high = (mid, high) if self.pass_bytes(1, mid, checkpointed=True) <= limit else (low, mid - 1)
+            low, high = (mid, high) if self.pass_bytes(1, mid, checkpointed=checkpointed) <= limit else (low, mid - 1)
         return low
 
     # --- adapters ---------------------------------------------------------------------------------
