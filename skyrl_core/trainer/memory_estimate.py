@@ -177,14 +177,13 @@ def estimate_step_memory(cfg: Config, *, baseline_bytes: int, hf_config: Any = N
     return MemoryEstimate(parts=parts, largest_micro_batch_tokens=micro_tokens)
 
 
-def usable_memory_bytes() -> int:
-    """What this process may still take, plus what it holds: the smaller of the machine's
-    MemAvailable and the headroom under this process's cgroup limit (v2 or v1)."""
-    import psutil
+_CGROUP_FILES = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # v2
+                 ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"))  # v1
 
-    available = psutil.virtual_memory().available
-    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+
+def _cgroup_limit_and_usage() -> tuple[int, int] | None:
+    """This process's cgroup memory limit and what the cgroup uses now; None without a limit."""
+    for limit_file, usage_file in _CGROUP_FILES:
         try:
             with open(limit_file) as f:
                 limit = f.read().strip()
@@ -193,8 +192,29 @@ def usable_memory_bytes() -> int:
         except (OSError, ValueError):
             continue
         if limit.isdigit() and int(limit) < 2**60:
-            available = min(available, int(limit) - usage)
-        break
+            return int(limit), usage
+        return None
+    return None
+
+
+def machine_memory_bytes() -> int:
+    """The memory this process's machine gives it in all: physical memory, or its cgroup's limit
+    when smaller (a container). What a server's shares of memory (KV cache, training passes,
+    adapters) are taken of."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    cgroup = _cgroup_limit_and_usage()
+    return min(total, cgroup[0]) if cgroup is not None else total
+
+
+def usable_memory_bytes() -> int:
+    """What this process may still take, plus what it holds: the smaller of the machine's
+    MemAvailable and the headroom under this process's cgroup limit (v2 or v1)."""
+    import psutil
+
+    available = psutil.virtual_memory().available
+    cgroup = _cgroup_limit_and_usage()
+    if cgroup is not None:
+        available = min(available, cgroup[0] - cgroup[1])
     return max(0, available) + psutil.Process().memory_info().rss
 
 

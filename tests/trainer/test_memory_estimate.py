@@ -184,3 +184,17 @@ def test_an_engine_kv_budget_stands_in_for_the_cache_it_bounds(tmp_path):
     raw["engine"] = {"name": "torch", "options": {"kv_cache_memory_bytes": 256 << 20}}
     bounded = _estimate(structure_config(raw)).parts["engine KV cache"]
     assert bounded == 256 << 20 < unbounded
+
+
+def test_the_machines_memory_is_its_cgroups_limit_in_a_container(tmp_path, monkeypatch):
+    from skyrl_core.trainer import memory_estimate
+
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit, usage = tmp_path / "memory.max", tmp_path / "memory.current"
+    usage.write_text("1000\n")
+    monkeypatch.setattr(memory_estimate, "_CGROUP_FILES", ((str(limit), str(usage)),))
+    limit.write_text("max\n")  # no limit
+    assert memory_estimate.machine_memory_bytes() == physical
+    limit.write_text(f"{physical // 8}\n")
+    assert memory_estimate.machine_memory_bytes() == physical // 8
+    assert memory_estimate._cgroup_limit_and_usage() == (physical // 8, 1000)

@@ -117,10 +117,11 @@ def test_a_datum_too_long_to_keep_every_activation_trains_with_checkpointed_laye
 
 
 def test_the_longest_trainable_datum_fits_half_the_machines_memory(tiny_model):
-    from skyrl_tinker.trainer import PASS_MEMORY_SHARE, physical_memory_bytes
+    from skyrl_core.trainer.memory_estimate import machine_memory_bytes
+    from skyrl_tinker.trainer import PASS_MEMORY_SHARE
 
     trainer = LoraTrainer(tiny_model)
-    limit = int(PASS_MEMORY_SHARE * physical_memory_bytes())
+    limit = int(PASS_MEMORY_SHARE * machine_memory_bytes())
     longest = trainer.max_train_tokens
     assert trainer.pass_bytes(1, longest, checkpointed=True) <= limit < trainer.pass_bytes(1, longest + 1, checkpointed=True)
     # the FSDP backend keeps every activation of a pass: its longest datum is a plain pass's

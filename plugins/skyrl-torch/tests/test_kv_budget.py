@@ -5,7 +5,6 @@ that cannot fit alone, and prefill forwards of bounded size."""
 from __future__ import annotations
 
 import itertools
-import os
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ import torch
 import skyrl_torch.engine as engine_module
 from skyrl_core.config.schema import ModelConfig
 from skyrl_core.models import load_causal_lm
+from skyrl_core.trainer.memory_estimate import machine_memory_bytes
 from skyrl_core.testing.engine_contract import (
     TINY_LLAMA,
     TINY_QWEN3,
@@ -85,7 +85,7 @@ def test_cache_bytes_from_the_config_equal_the_cache_nbytes(family, dtype):
 
 def test_the_default_budget_is_a_quarter_of_physical_memory():
     eng = TorchEngine(model("qwen3"), TorchEngineOptions(), seed=0)
-    assert eng.kv_budget.limit == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+    assert eng.kv_budget.limit == machine_memory_bytes() // 4
     assert TorchEngine(model("qwen3"), TorchEngineOptions(kv_cache_memory_bytes=12345), seed=0).kv_budget.limit == 12345
 
 

@@ -29,10 +29,11 @@ import numpy as np
 import torch
 
 from skyrl_core.config.schema import ModelConfig, TrainerConfig
+from skyrl_core.trainer.memory_estimate import machine_memory_bytes
 from skyrl_core.types import OptimizerHyperparams, TrainingBatch
 from skyrl_tinker.losses import compute_loss
 from skyrl_tinker.trainer import (ADAPTER_FILE, META_FILE, MICRO_BATCH_BYTES, PASS_MEMORY_SHARE, AdamStep, Adapter, Example,
-                                  LoraTrainer, physical_memory_bytes, read_meta)
+                                  LoraTrainer, read_meta)
 
 BACKEND_DIR = "backend"  # the backend's own checkpoint inside a Tinker training checkpoint
 # Tinker loss input -> the TrainingBatch field that carries it through the backend's micro-batches.
@@ -62,7 +63,7 @@ class BackendLoraTrainer(LoraTrainer):
         super().__init__(model_dir, cpu_gemm=cpu_gemm)
         # The backend keeps every activation of a pass (it checkpoints only when built so, for
         # every pass): a longer datum is refused at submission instead (SmolLM2 on 24 GiB: ~1650 tokens).
-        self.max_train_tokens = self._longest_within(int(PASS_MEMORY_SHARE * physical_memory_bytes()), checkpointed=False)
+        self.max_train_tokens = self._longest_within(int(PASS_MEMORY_SHARE * machine_memory_bytes()), checkpointed=False)
         self.cpu_gemm = cpu_gemm
         self.model_dir = model_dir
         self.backend_name = backend

@@ -36,6 +36,7 @@ from skyrl_core.ops import prepare_model, site_scope, token_logprobs
 from skyrl_core.ops.chunked_logprobs import chunked_token_logprobs, output_head, with_final_hidden
 from skyrl_core.ops.install import DEFAULT_IMPLS
 from skyrl_core.ops.gemm_choice import CPU_GEMMS, linear_defaults
+from skyrl_core.trainer.memory_estimate import machine_memory_bytes
 from skyrl_tinker.losses import compute_loss
 
 ADAPTER_FILE = "adapter.safetensors"
@@ -127,7 +128,7 @@ class LoraTrainer:
         # With its layers checkpointed a pass keeps each layer's input and the residual stream, and
         # one layer's activations while backward recomputes it (SmolLM2: 0.27 MB a position, not 3.9)
         self.checkpointed_bytes_per_token = 4 * (2 * layers * hidden + 24 * hidden + 12 * mlp)
-        memory = physical_memory_bytes()
+        memory = machine_memory_bytes()
         self.checkpoint_above_bytes = int(CHECKPOINT_ABOVE_MEMORY_SHARE * memory)
         self.max_train_tokens = self._longest_within(int(PASS_MEMORY_SHARE * memory))
         self.adapter_memory_bytes = int(ADAPTER_MEMORY_SHARE * memory)
@@ -397,10 +398,6 @@ class LoraTrainer:
         else:
             adapter.optimizer.state.clear()
         adapter.steps = int(read_meta(directory).get("steps", 0)) if optimizer else 0
-
-
-def physical_memory_bytes() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def read_adapter(directory: str) -> dict[str, torch.Tensor]:

@@ -37,7 +37,6 @@ from __future__ import annotations
 import collections
 import heapq
 import itertools
-import os
 import threading
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
@@ -50,6 +49,7 @@ from skyrl_core.heap import keep_freed_memory, release_freed_memory
 from skyrl_core.models import load_causal_lm, load_tokenizer
 from skyrl_core.ops import prepare_model, site_scope, token_logprobs
 from skyrl_core.ops.onednn import computes as onednn_computes
+from skyrl_core.trainer.memory_estimate import machine_memory_bytes
 from skyrl_core.types import GeneratedSample, GenerationRequest
 from skyrl_torch.installed_ops_decoder import InstalledOpsDecoder, missing_ops
 from skyrl_torch.kv_cache import KVBudget, SlotKVCache, slot_capacity
@@ -749,13 +749,13 @@ def _prefill_batches(widths: list[int]) -> list[list[int]]:
 
 def _kv_cache_limit(options: TorchEngineOptions) -> int:
     """``kv_cache_memory_bytes``, by default a quarter of the device's memory: the GPU's total, or
-    this machine's physical memory on CPU."""
+    on CPU this machine's physical memory (its cgroup's limit in a container, if smaller)."""
     if options.kv_cache_memory_bytes is not None:
         return options.kv_cache_memory_bytes
     if options.device == "cuda":
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     else:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        total = machine_memory_bytes()
     return total // 4
 
 
