@@ -28,7 +28,7 @@ class TorchEngineOptions:
             "help": "most bytes the KV cache may take (slots x (longest request in them + 1) positions, every "
             "attention layer's keys and values): samples wait for slots when more would not fit, and a request "
             "one sample of which cannot fit alone is refused; default: a quarter of the machine's physical "
-            "memory (device cpu) or of the GPU's total memory (device cuda)"
+            "memory, or of its cgroup's limit if smaller (device cpu), or of the GPU's total memory (device cuda)"
         },
     )
     max_model_len: int | None = attrs.field(
