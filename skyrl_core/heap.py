@@ -45,10 +45,16 @@ def keep_freed_memory() -> bool:
     libc = _libc()
     if libc is None or os.environ.get("SKYRL_HEAP_TUNING", "1") == "0":
         return False
-    # Newer glibc refuses thresholds above its maximum instead of clamping: then take the maximum.
-    threshold = int(os.environ.get("SKYRL_HEAP_MMAP_MIB", "0")) << 20 or MMAP_THRESHOLD  # trainer.heap_mmap_threshold_mib
-    ok = libc.mallopt(_M_MMAP_THRESHOLD, threshold) == 1 or libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) == 1
+    ok = _set_configured_mmap_threshold(libc)
     return bool(libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1 and ok)
+
+
+def _set_configured_mmap_threshold(libc: ctypes.CDLL) -> bool:
+    """This process's mmap threshold: ``SKYRL_HEAP_MMAP_MIB`` (``trainer.heap_mmap_threshold_mib``)
+    or ``MMAP_THRESHOLD``. Newer glibc refuses thresholds above its maximum instead of clamping:
+    then the maximum."""
+    threshold = int(os.environ.get("SKYRL_HEAP_MMAP_MIB", "0")) << 20 or MMAP_THRESHOLD
+    return libc.mallopt(_M_MMAP_THRESHOLD, threshold) == 1 or libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) == 1
 
 
 def set_mmap_threshold(mib: int) -> bool:
@@ -79,9 +85,7 @@ def own_maps_above(mib: int) -> Iterator[None]:
     try:
         yield
     finally:
-        threshold = int(os.environ.get("SKYRL_HEAP_MMAP_MIB", "0")) << 20 or MMAP_THRESHOLD
-        if libc.mallopt(_M_MMAP_THRESHOLD, threshold) != 1:
-            libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)
+        _set_configured_mmap_threshold(libc)
 
 
 def release_freed_memory() -> None:

@@ -29,10 +29,9 @@ import numpy as np
 import torch
 
 from skyrl_core.config.schema import ModelConfig, TrainerConfig
-from skyrl_core.trainer.memory_estimate import machine_memory_bytes
 from skyrl_core.types import OptimizerHyperparams, TrainingBatch
 from skyrl_tinker.losses import compute_loss
-from skyrl_tinker.trainer import (ADAPTER_FILE, META_FILE, MICRO_BATCH_BYTES, PASS_MEMORY_SHARE, AdamStep, Adapter, Example,
+from skyrl_tinker.trainer import (ADAPTER_FILE, META_FILE, MICRO_BATCH_BYTES, AdamStep, Adapter, Example,
                                   LoraTrainer, read_meta)
 
 BACKEND_DIR = "backend"  # the backend's own checkpoint inside a Tinker training checkpoint
@@ -56,14 +55,14 @@ def build_backend(name: str, model_dir: str, *, rank: int, alpha: float, groups:
 
 class BackendLoraTrainer(LoraTrainer):
     next_token_targets_only = True
+    # The backend keeps every activation of a pass (it checkpoints only when built so, for every
+    # pass): a datum longer than a plain pass holds is refused at submission (SmolLM2 on 24 GiB: 1683).
+    checkpoints_long_passes = False
 
     def __init__(self, model_dir: str, backend: str, *, cpu_gemm: str = "auto") -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend {backend!r}: Tinker training runs on {', '.join(BACKENDS)}")
         super().__init__(model_dir, cpu_gemm=cpu_gemm)
-        # The backend keeps every activation of a pass (it checkpoints only when built so, for
-        # every pass): a longer datum is refused at submission instead (SmolLM2 on 24 GiB: ~1650 tokens).
-        self.max_train_tokens = self._longest_within(int(PASS_MEMORY_SHARE * machine_memory_bytes()), checkpointed=False)
         self.cpu_gemm = cpu_gemm
         self.model_dir = model_dir
         self.backend_name = backend

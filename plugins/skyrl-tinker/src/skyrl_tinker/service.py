@@ -9,6 +9,7 @@ different adapters interleave without sharing state (each adapter has its own te
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
@@ -97,14 +98,12 @@ class TinkerService:
         lora_alpha: float = DEFAULT_LORA_ALPHA,
         cpu_gemm: str = "auto",
     ) -> None:
-        from skyrl_tinker.sampler import kv_budget
         from skyrl_tinker.trainer import LoraTrainer
 
         self.model_dir = model_dir
         self.base_model = base_model or os.path.basename(os.path.normpath(model_dir))
         self.engine_name = engine
         self.engine_options = dict(engine_options or {})
-        self.engine_kv_budget = kv_budget(engine, model_dir, self.engine_options)  # None: the engine has none
         self._adapter_memory: dict[str, int] = {}  # model id -> bytes its adapter holds (or will)
         self._adapter_memory_lock = threading.Lock()
         self.lora_alpha = lora_alpha
@@ -386,6 +385,15 @@ class TinkerService:
             return "json", {"model_id": model_id, "type": "create_model"}
 
         return self.submit(owner, "create_model", model_id, work)
+
+    @functools.cached_property
+    def engine_kv_budget(self) -> Any:
+        """The sampler engine's KV budget (``sampler.kv_budget``; None: the engine has none), read at
+        the first ``sample``: not at start-up, where it would import the engine's library (vLLM)
+        before anything samples."""
+        from skyrl_tinker.sampler import kv_budget
+
+        return kv_budget(self.engine_name, self.model_dir, self.engine_options)
 
     def _reserve_adapter_memory(self, model_id: str, rank: int, groups: tuple[str, ...]) -> None:
         """Count a new training run's memory against the adapters' share of the machine, or refuse

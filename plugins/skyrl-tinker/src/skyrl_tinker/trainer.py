@@ -96,6 +96,7 @@ class Adapter:
 
 class LoraTrainer:
     next_token_targets_only = False  # any per-position targets
+    checkpoints_long_passes = True  # a pass too large to keep every activation recomputes its layers
 
     def __init__(self, model_dir: str, *, cpu_gemm: str = "auto") -> None:
         if cpu_gemm not in CPU_GEMMS:
@@ -130,7 +131,7 @@ class LoraTrainer:
         self.checkpointed_bytes_per_token = 4 * (2 * layers * hidden + 24 * hidden + 12 * mlp)
         memory = machine_memory_bytes()
         self.checkpoint_above_bytes = int(CHECKPOINT_ABOVE_MEMORY_SHARE * memory)
-        self.max_train_tokens = self._longest_within(int(PASS_MEMORY_SHARE * memory))
+        self.max_train_tokens = self._longest_within(int(PASS_MEMORY_SHARE * memory), checkpointed=self.checkpoints_long_passes)
         self.adapter_memory_bytes = int(ADAPTER_MEMORY_SHARE * memory)
         self.adapters: dict[str, Adapter] = {}
 
@@ -144,7 +145,7 @@ class LoraTrainer:
             return rows * length * self.checkpointed_bytes_per_token + 4 * (4 * self.heads + 2) * square
         return rows * length * self.bytes_per_token + 4 * 2 * self.layers * self.heads * square
 
-    def _longest_within(self, limit: int, *, checkpointed: bool = True) -> int:
+    def _longest_within(self, limit: int, *, checkpointed: bool) -> int:
         """The longest datum a pass (checkpointed or not) holds within ``limit`` bytes."""
         low, high = 0, 1 << 24
         while low < high:
