@@ -180,3 +180,67 @@ def test_the_server_refuses_a_training_run_beyond_the_adapters_share_of_memory(t
         assert service.store.get(ModelRow, f"{session}:train:2") is None  # nothing made
     finally:
         service.close()
+
+
+def test_a_flood_of_sampling_requests_runs_in_bounded_calls_and_batches(tiny_model, tmp_path):
+    """Requests arriving while the engine generates join it, but never more than MAX_JOINING_CALLS
+    generate calls at once nor more than MAX_JOINED_SAMPLES requests in one batch: the rest wait
+    for the next batch, and every request is answered."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from skyrl_core.types import SamplingParams
+    from skyrl_tinker import service as service_module
+    from skyrl_tinker.service import SampleJob, TinkerService
+
+    gate = threading.Event()
+    lock = threading.Lock()
+    seen = {"in_flight": 0, "most": 0, "loads": 0, "calls": 0}
+
+    class BlockingSampler:
+        engine = SimpleNamespace(supports_pause=True)
+        full_sets = False
+
+        def load(self, key, tensors, base):
+            seen["loads"] += 1  # one per sampling batch
+
+        def ready(self):
+            pass
+
+        def sample(self, requests):
+            with lock:
+                seen["in_flight"] += 1
+                seen["calls"] += 1
+                seen["most"] = max(seen["most"], seen["in_flight"])
+            gate.wait(30)
+            with lock:
+                seen["in_flight"] -= 1
+            return [[("length", (1, 2), (-0.5, -0.25))] for _ in requests]
+
+    service = TinkerService(tiny_model, db_url=f"sqlite:///{tmp_path / 'db.sqlite'}", checkpoint_dir=str(tmp_path / "ckpt"))
+    try:
+        service._get_sampler = lambda: BlockingSampler()
+        job = SampleJob(model_path=None, checkpoint_dir=None, prompt=[1, 2, 3], params=SamplingParams(max_tokens=2), prompt_logprobs=False)
+        count = service_module.MAX_JOINED_SAMPLES + 45
+        first = service.submit("alice", "sample", None, job)
+        while seen["calls"] == 0:
+            time.sleep(0.01)
+        futures = [first] + [service.submit("alice", "sample", None, job) for _ in range(count - 1)]
+        while seen["in_flight"] < service_module.MAX_JOINING_CALLS:  # requests join while the first call runs ...
+            time.sleep(0.01)
+        time.sleep(0.2)
+        assert seen["most"] == service_module.MAX_JOINING_CALLS  # ... in at most this many calls at once
+        gate.set()
+        deadline = time.monotonic() + 60
+        while any(f["request_id"] in service._pending for f in futures) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(f["request_id"] in service._pending for f in futures)
+        assert seen["loads"] == 2  # MAX_JOINED_SAMPLES in the first batch, the other 45 in a second
+        from skyrl_tinker.store import DONE, FutureRow
+
+        rows = [service.store.get(FutureRow, f["request_id"]) for f in futures]
+        assert [r.status for r in rows] == [DONE] * count
+    finally:
+        gate.set()
+        service.close()

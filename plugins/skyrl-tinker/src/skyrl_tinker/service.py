@@ -71,6 +71,8 @@ class NotFound(TinkerError):
 Result = tuple[str, Any]  # ("json", dict) or ("proto", bytes)
 # Sampling requests queued back to back for the same weights share one engine call, up to this many.
 MAX_SAMPLE_BATCH = 64
+MAX_JOINING_CALLS = 4  # generate calls of one sampling batch in flight at once (each joins the engine's batch)
+MAX_JOINED_SAMPLES = 4 * MAX_SAMPLE_BATCH  # requests one sampling batch takes before the queue's next work runs
 
 
 @attrs.frozen
@@ -157,14 +159,14 @@ class TinkerService:
             else:
                 self._run(*item)
 
-    def _next_samples(self, first: SampleJob) -> list[tuple[str, SampleJob]]:
-        """The sampling requests queued right after ``first`` for the same weights: they run in
-        the same engine batch (nothing queued between them is skipped, so order is kept)."""
+    def _next_samples(self, first: SampleJob, limit: int = MAX_SAMPLE_BATCH) -> list[tuple[str, SampleJob]]:
+        """Up to ``limit`` sampling requests queued right after ``first`` for the same weights: they
+        run in the same engine batch (nothing queued between them is skipped, so order is kept)."""
         taken: list[tuple[str, SampleJob]] = []
         with self._queue.mutex:
             waiting = self._queue.queue
             while (waiting and waiting[0] is not None and isinstance(waiting[0][1], SampleJob)
-                   and waiting[0][1].model_path == first.model_path and len(taken) < MAX_SAMPLE_BATCH):
+                   and waiting[0][1].model_path == first.model_path and len(taken) < limit):
                 taken.append(waiting.popleft())
         return taken
 
@@ -234,13 +236,18 @@ class TinkerService:
                     self._arrived.notify_all()
 
         if getattr(sampler.engine, "supports_pause", False):
+            # Bounded on both sides: at most MAX_JOINING_CALLS generate calls at once (requests that
+            # arrive meanwhile wait and join as one call), and at most MAX_JOINED_SAMPLES requests
+            # in this batch, after which arrivals wait for the next one (a steady flood of samples
+            # neither starts unbounded threads nor holds back the work queued behind it forever).
             batch = list(jobs)
             with self._arrived:  # (woken by a submission or a finished call: no polling)
                 while True:
                     if batch:
                         running[0] += 1
                         threading.Thread(target=generate, args=(batch,), name="tinker-sample", daemon=True).start()
-                    batch = self._next_samples(job)
+                    room = min(MAX_SAMPLE_BATCH, MAX_JOINED_SAMPLES - len(jobs)) if running[0] < MAX_JOINING_CALLS else 0
+                    batch = self._next_samples(job, room)
                     jobs += batch
                     if not batch:
                         if not running[0]:
