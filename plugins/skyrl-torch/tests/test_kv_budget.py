@@ -50,6 +50,31 @@ def record_cache_bytes(eng: TorchEngine) -> list[tuple[int, int]]:
     return seen
 
 
+def record_bytes_held_while_resizing(eng: TorchEngine) -> list[int]:
+    """Patch ``eng`` to record, at every tensor its cache's resize allocates, the bytes the old cache
+    still holds plus those allocated for the new one so far (the resize's memory at that moment)."""
+    held: list[int] = []
+    original = eng._resize_cache
+
+    def resizing(num_slots: int, capacity: int) -> None:
+        old, allocated, real_zeros = eng._cache, [0], torch.zeros
+
+        def zeros(*args, **kwargs):
+            t = real_zeros(*args, **kwargs)
+            allocated[0] += t.numel() * t.element_size()
+            held.append(old.nbytes + allocated[0])
+            return t
+
+        torch.zeros = zeros
+        try:
+            original(num_slots, capacity)
+        finally:
+            torch.zeros = real_zeros
+
+    eng._resize_cache = resizing
+    return held
+
+
 def record_admissions(eng: TorchEngine) -> list[str]:
     """Patch ``eng`` to record the request id of every group it prefills, in admission order (a
     request whose samples are admitted in several parts appears once per part)."""
@@ -158,9 +183,14 @@ def test_the_cache_is_rebuilt_smaller_and_samples_in_flight_move_down_with_their
         resizes.append((before, (num_slots, capacity), sorted(eng._active)))
 
     eng._resize_cache = recording
+    held_during_resize = record_bytes_held_while_resizing(eng)
     out = eng.generate(requests)
     assert max(max(pair) for pair in cache_bytes) <= budget
     assert ([4], (2, 192), [0]) in resizes, resizes
+    # While the cache is rebuilt, the old one gives up each layer as it is copied: the bytes held at
+    # once stay within the budget plus one layer (the old code held both caches: about twice it).
+    layer_bytes = max(eng.kv_budget.cache_bytes(6, 64), eng.kv_budget.cache_bytes(2, 192)) // eng.model.config.get_text_config().num_hidden_layers
+    assert held_during_resize and max(held_during_resize) <= budget + layer_bytes, (held_during_resize, budget)
     assert [g[0].token_ids for g in out] == [g[0].token_ids for g in expected]
     assert worst_logprob_error(load_causal_lm(config, seed=0), out) <= ATOL
 

@@ -229,21 +229,29 @@ class SlotKVCache(Cache):
         """A cache of this shape holding the keys/values (up to ``capacity``) and states of slots
         ``0..num_slots - 1`` where they are, so samples in flight there continue in it: an engine
         admitting more or longer requests mid-run grows it; one within a memory budget may shrink
-        it, once its samples fit those slots and that capacity."""
+        it, once its samples fit those slots and that capacity.
+
+        This cache is consumed: each of its tensors is dropped once copied, so the memory held at
+        once is one cache plus one layer's tensor, never two whole caches (a resize within a budget
+        would otherwise briefly take twice it). Use only the returned cache afterwards."""
         new = SlotKVCache(num_layers=len(self.keys), num_slots=num_slots, capacity=capacity, dtype=self.dtype,
                           device=self.device, linear_layers=self.linear_layers)
         slots, kept = min(num_slots, self.num_slots), min(capacity, self.capacity)
         for old_layers, new_layers in ((self.keys, new.keys), (self.values, new.values)):
             for i, t in enumerate(old_layers):
                 if t is not None:
+                    old_layers[i] = None
                     resized = torch.zeros((num_slots, t.shape[1], capacity + 1, t.shape[3]), dtype=t.dtype, device=t.device)
                     resized[:slots, :, :kept] = t[:slots, :, :kept]
                     new_layers[i] = resized
+                    del t  # (the loop's last reference to the old layer)
         for old_states, new_states in ((self.conv, new.conv), (self.recurrent, new.recurrent)):
-            for i, t in old_states.items():
+            for i in list(old_states):
+                t = old_states.pop(i)
                 resized = torch.zeros((num_slots, *t.shape[1:]), dtype=t.dtype, device=t.device)
                 resized[:slots] = t[:slots]
                 new_states[i] = resized
+                del t
         return new
 
     def _read(self, stored: torch.Tensor) -> torch.Tensor:
