@@ -77,14 +77,18 @@ def batch_to_device(batch: TrainingBatch, device: torch.device) -> TrainingBatch
 def use_memory_efficient_attention(model: Any) -> str:
     """Switch a transformers model from eager attention (which keeps every ``[heads, L, L]``
     probability matrix for backward: quadratic in sequence length) to SDPA (PyTorch's fused
-    attention, keeping ``O(L)`` per head); return the implementation in use. Call it before
-    ``prepare_model``: installed ops fall back to the implementation set here. Models without SDPA
-    support keep theirs."""
+    attention, keeping ``O(L)`` per head), with short bf16 calls on CPU written out where PyTorch's
+    kernel is slow (``skyrl_core.ops.short_attention``, memory bounded by ``MAX_SCORES``); return
+    the implementation in use. Call it before ``prepare_model``: installed ops fall back to the
+    implementation set here. Models without SDPA support keep theirs."""
+    from skyrl_core.ops.short_attention import ATTENTION_NAME, use_short_attention
+
     current = getattr(model.config, "_attn_implementation", None) or "eager"
-    if current != "eager":
+    if current == "eager":
+        try:
+            model.set_attn_implementation("sdpa")
+        except (ValueError, ImportError, AttributeError):
+            return current
+    elif current != "sdpa":
         return current
-    try:
-        model.set_attn_implementation("sdpa")
-    except (ValueError, ImportError, AttributeError):
-        return current
-    return "sdpa"
+    return ATTENTION_NAME if use_short_attention(model) else "sdpa"
