@@ -255,3 +255,38 @@ def test_keep_gathered_params_gathers_once_per_call_with_the_same_bits(batch, mo
     assert kept[3] == 3 * modules  # 3 calls, each module gathered once in each
     # Per micro-batch (2): once in the scoring forward, twice in forward_backward.
     assert plain[3] == (2 + 2 * 2 * 2) * modules
+
+
+def test_one_rank_reduces_its_gradients_without_dividing_them_and_with_the_same_bits(batch):
+    """On one rank FSDP's reduction is a copy: no division by a factor of 1 runs over the gradients
+    (the pass it cost), and the update is the bits of the run with that factor set (x / 1 == x)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class LargeDivisions(TorchDispatchMode):
+        def __init__(self, at_least):
+            super().__init__()
+            self.at_least, self.count = at_least, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket is torch.ops.aten.div and args[0].numel() >= self.at_least:
+                self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    def run(with_factor):
+        with backend(mixed_precision="bf16") as fsdp:
+            model = fsdp._local.model
+            if with_factor:  # what every rank set before (the negative control)
+                for module in model.modules():
+                    if isinstance(module, FSDPModule):
+                        module.set_gradient_divide_factor(1.0)
+            layer = min(sum(p.numel() for p in layer.parameters()) for layer in model.model.layers)
+            divisions = LargeDivisions(layer)
+            with divisions:
+                metrics = {**fsdp.forward_backward(batch, mean_logprob_loss), **fsdp.optim_step()}
+            return metrics, dict(fsdp.export_weights()), divisions.count
+
+    plain, factored = run(False), run(True)
+    assert plain[2] == 0 and factored[2] > 0
+    assert (plain[0]["loss"], plain[0]["grad_norm"]) == (factored[0]["loss"], factored[0]["grad_norm"])
+    assert_weights_bitwise_equal(plain[1], factored[1])
