@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from skyrl_core.ops.hf import _causal_visible
+
 # Scores of one call: B x heads x Tq x Tk elements (4M: 16 MiB of fp32 scores, 8 MiB of bf16
 # probabilities kept per layer for backward). An RL micro-batch of 16 x 78 positions is 0.9M.
 MAX_SCORES = 4 * 1024 * 1024
@@ -53,7 +55,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visib
         value = value.repeat_interleave(groups, dim=1)
     scores = torch.matmul(query, key.transpose(-1, -2)).float() * scaling
     if visible is None and is_causal and query.shape[2] > 1:  # (Tq == Tk: ``applies``)
-        visible = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool, device=query.device).tril()
+        visible = _causal_visible(query.shape[2], key.shape[2], query.device)
     probs = torch.softmax(scores if visible is None else scores.masked_fill(~visible, torch.finfo(torch.float32).min), dim=-1)
     if visible is not None:  # a query that sees no key attends to nothing (0), as sdpa's CPU kernel has it
         probs = probs * visible.any(-1, keepdim=True)

@@ -89,18 +89,6 @@ def _positions_to_score(micro: TrainingBatch) -> torch.Tensor:
     return real if bool(real.any()) else torch.ones_like(real)
 
 
-def _drop_unreduced_grads(model: Any) -> None:
-    """Forget gradients FSDP holds unsharded, not yet reduced into the shards (a backward that
-    failed before its reduction)."""
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            group = module._get_fsdp_state()._fsdp_param_group  # (FSDP2 keeps them per parameter there)
-            for fsdp_param in group.fsdp_params if group is not None else ():
-                fsdp_param.unsharded_accumulated_grad = None
-                if hasattr(fsdp_param, "_unsharded_param"):
-                    fsdp_param._unsharded_param.grad = None
-
-
 def _scalar(value: Any) -> float:
     return float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
 
@@ -224,12 +212,13 @@ class FSDPRank:
         temperature: float,
     ) -> list[tuple[dict[str, float], float]]:
         """Per real micro-batch: ``({**metrics, "loss": loss}, trained tokens)``. Gradients accumulate
-        in the shards; a call that raises leaves them as it found them. Logprobs are computed only
+        in the shards; a call whose loss raises leaves them as it found them (one that fails inside
+        backward is not undone: FSDP's per-parameter state is left mid-step). Logprobs are computed only
         where the loss mask is set (the loss reads no other)."""
         wants_entropy = accepts_keyword(loss_fn, "entropy")
         results = []
         passes = self._micro_batches(part, plan, num_micro, filler)
-        # A call that fails part-way adds nothing: its finished micro-batches' gradients are already
+        # A call whose loss fails part-way adds nothing: its finished micro-batches' gradients are already
         # in the shards, so the gradients it found are put back (copied here only when there are
         # any: a caller accumulating over calls; after optim_step there are none).
         found = {p: p.grad.detach().clone() for p in self.model.parameters() if p.grad is not None}
@@ -240,7 +229,6 @@ class FSDPRank:
                         before_last_backward()
                     results.extend(self._forward_backward_one(micro, real, loss_fn, temperature, wants_entropy))
         except BaseException:
-            _drop_unreduced_grads(self.model)
             for p in self.model.parameters():
                 p.grad = found.get(p)
             raise
