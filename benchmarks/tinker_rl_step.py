@@ -116,17 +116,18 @@ def step_gemms(model_dir: str, lengths: list[tuple[int, int]]) -> list[Gemm]:
     return generation_gemms(config, prompts, sampled, len(lengths), longest) + forward + input_gradients
 
 
-def run(name: str, model_dir: str, encode, workdir: Path, args: argparse.Namespace) -> dict[str, float]:
+def run(name: str, model_dir: str, encode, workdir: Path, args: argparse.Namespace, dtype: str) -> dict[str, float]:
     import tinker
 
     from skyrl_tinker.client_loops import arithmetic_prompts, rl_step
     from skyrl_tinker.launch import serve_subprocess
 
-    checkpoints = workdir / f"ck-{name}"
+    checkpoints = workdir / f"ck-{name}-{dtype}"
     checkpoints.mkdir()
+    label = f"{name} {dtype}"
     env = {"OMP_NUM_THREADS": str(args.threads)}
     intervals: list[tuple[str, float, float]] = []
-    with serve_subprocess(model_dir, checkpoints, model_name=name, env=env, extra=tuple(args.server_arg)) as (url, proc):
+    with serve_subprocess(model_dir, checkpoints, model_name=name, env=env, extra=("--dtype", dtype, *args.server_arg)) as (url, proc):
         memory = PhaseMemory(proc.pid, interval=args.rss_interval)
         setup = time.perf_counter()
         # (closing the client finishes its session and stops the SDK's heartbeat thread)
@@ -152,19 +153,19 @@ def run(name: str, model_dir: str, encode, workdir: Path, args: argparse.Namespa
                     phases.append(timings)
                     lengths.append(step_lengths)
                 where = ", ".join(f"{k} {v:.2f}" for k, v in timings.items())
-                print(f"{name}: step {step} {elapsed:.2f} s ({where}){' (warm-up)' if step < args.warmup else ''}, reward {reward:.3f}", flush=True)
+                print(f"{label}: step {step} {elapsed:.2f} s ({where}){' (warm-up)' if step < args.warmup else ''}, reward {reward:.3f}", flush=True)
         memory.stop()
         peak = peak_rss_gib(proc.pid)
     medians = {k: statistics.median(p[k] for p in phases) for k in phases[0]}
     median = statistics.median(times)
-    print(f"{name}: median s/step {median:.3f} = " + " + ".join(f"{k} {v:.3f}" for k, v in medians.items()), flush=True)
-    print(f"{name}: server peak resident GiB by phase: "
+    print(f"{label}: median s/step {median:.3f} = " + " + ".join(f"{k} {v:.3f}" for k, v in medians.items()), flush=True)
+    print(f"{label}: server peak resident GiB by phase: "
           + ", ".join(f"{k} {v:.2f}" for k, v in memory.peaks(intervals).items()) + f"; VmHWM {peak:.2f}", flush=True)
     # The work of the step whose time is the median (its own sampled lengths).
     median_step = min(range(len(times)), key=lambda i: abs(times[i] - median))
-    roofline = Roofline(step_gemms(model_dir, lengths[median_step]), threads=args.threads, dtypes=("float32",)).measure(repeats=3)
-    print(f"{name}: {roofline.summary()}", flush=True)
-    print(f"{name}: " + roofline.achieved("median step", median, "float32"), flush=True)
+    roofline = Roofline(step_gemms(model_dir, lengths[median_step]), threads=args.threads, dtypes=(dtype,)).measure(repeats=3)
+    print(f"{label}: {roofline.summary()}", flush=True)
+    print(f"{label}: " + roofline.achieved("median step", median, dtype), flush=True)
     return {"s_per_step": median, "peak_gib": peak}
 
 
@@ -174,6 +175,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--only", choices=("tiny", "smollm2"), default=None)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "both"), default="float32",
+                        help="the served base model's dtype (`skyrl tinker serve --dtype`); both: a float32 server, then a bfloat16 one")
     parser.add_argument("--rss-interval", type=float, default=0.5,
                         help="seconds between samples of the server's resident memory (each costs client CPU beside the server's threads)")
     parser.add_argument("--server-arg", action="append", default=[], metavar="ARG",
@@ -187,27 +190,30 @@ def main() -> None:
     from skyrl_core.testing.backend_contract import TINY_QWEN3
     from skyrl_tinker.launch import byte_tokenizer, write_model_dir
 
-    results: dict[str, dict[str, float]] = {}
+    dtypes = ("float32", "bfloat16") if args.dtype == "both" else (args.dtype,)
+    results: dict[tuple[str, str], dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="tinker-bench-") as tmp:
         workdir = Path(tmp)
         if args.only in (None, "tiny"):
             tiny = write_model_dir(workdir / "tiny-qwen3", TINY_QWEN3)
-            results["tiny"] = run("tiny", tiny, byte_tokenizer().encode, workdir, args)
+            for dtype in dtypes:
+                results["tiny", dtype] = run("tiny", tiny, byte_tokenizer().encode, workdir, args, dtype)
         if args.only in (None, "smollm2"):
             from transformers import AutoTokenizer
 
             smollm2 = prepare_smollm2()
             tokenizer = AutoTokenizer.from_pretrained(smollm2)
-            results["smollm2"] = run("smollm2", smollm2, lambda s: tokenizer.encode(s, add_special_tokens=False), workdir, args)
+            for dtype in dtypes:
+                results["smollm2", dtype] = run("smollm2", smollm2, lambda s: tokenizer.encode(s, add_special_tokens=False), workdir, args, dtype)
 
     print()
-    print(f"{'model':<9} {'skyrl s/step':>13} {'peer s/step':>12} {'ratio':>7} {'skyrl peak GiB':>15} {'peer peak GiB':>14} {'ratio':>7}")
-    for name, ours in results.items():
+    print(f"{'model':<9} {'dtype':<9} {'skyrl s/step':>13} {'peer s/step':>12} {'ratio':>7} {'skyrl peak GiB':>15} {'peer peak GiB':>14} {'ratio':>7}")
+    for (name, dtype), ours in results.items():
         peer = PEER[name]
         peak_peer = peer.get("peak_gib")
         peak_ratio = f"{ours['peak_gib'] / peak_peer:7.3f}" if peak_peer else f"{'-':>7}"
         print(
-            f"{name:<9} {ours['s_per_step']:13.3f} {peer['s_per_step']:12.2f} {ours['s_per_step'] / peer['s_per_step']:7.3f} "
+            f"{name:<9} {dtype:<9} {ours['s_per_step']:13.3f} {peer['s_per_step']:12.2f} {ours['s_per_step'] / peer['s_per_step']:7.3f} "
             f"{ours['peak_gib']:15.2f} {peak_peer or '-':>14} {peak_ratio}"
         )
     print(f"load at the end: {uptime()}")

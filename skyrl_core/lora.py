@@ -65,7 +65,11 @@ def add_adapter(model: Any, name: str, *, rank: int, alpha: float, modules: list
     """Inject adapter ``name`` (rank ``rank``, scale ``alpha / rank``) into ``modules``.
 
     A is initialised from ``seed`` alone (peft's Kaiming-uniform) and B is zero, so the adapter
-    starts as the base model and the same seed gives the same adapter whatever else is loaded."""
+    starts as the base model and the same seed gives the same adapter whatever else is loaded.
+
+    A and B are fp32 whatever the base model's dtype: they are the trained (master) weights, and
+    their AdamW state follows them. (peft casts a new adapter to a bf16 base's dtype; it is cast
+    back here, so over a bf16 base A starts rounded to bf16, as peft's own models have it.)"""
     import torch
     from peft import LoraConfig, inject_adapter_in_model
 
@@ -77,6 +81,10 @@ def add_adapter(model: Any, name: str, *, rank: int, alpha: float, modules: list
         warnings.filterwarnings("ignore", message="Already found a `peft_config`")
         torch.manual_seed(seed)
         inject_adapter_in_model(config, model, adapter_name=name)
+    for _, layer in lora_layers(model):
+        if name in layer.lora_A:
+            layer.lora_A[name].to(torch.float32)
+            layer.lora_B[name].to(torch.float32)
     select(model, None)
 
 

@@ -23,3 +23,8 @@ def test_serve_refuses_bad_engine_options_naming_the_key(tmp_path):
 def test_serve_refuses_an_unknown_cpu_gemm(tmp_path):
     result = CliRunner().invoke(tinker_group, ["serve", "--model", str(tmp_path), "--cpu-gemm", "mkl"])
     assert result.exit_code == 2 and "'mkl': allowed: auto, onednn, torch" in result.output
+
+
+def test_serve_refuses_an_unknown_dtype(tmp_path):
+    result = CliRunner().invoke(tinker_group, ["serve", "--model", str(tmp_path), "--dtype", "float16"])
+    assert result.exit_code == 2 and "'float16' is not one of 'float32', 'bfloat16'" in result.output

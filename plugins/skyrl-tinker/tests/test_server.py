@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from pathlib import Path
 
 import httpx
@@ -340,6 +341,8 @@ def test_api_keys_authenticate_and_isolate(server, connect):
 
 ENGINES = {  # name -> (serve arguments, environment); the engine's module is checked in the server's log
     "torch": (TORCH_KV_OPTIONS, {}),  # as the module's server
+    # A bf16 base model (--dtype bfloat16): trainer and engine compute in bf16, logprobs in fp32.
+    "torch-bf16": (("--dtype", "bfloat16", *TORCH_KV_OPTIONS), {}),
     # A real vLLM-CPU engine in the server's process, small KV cache (vLLM's cache: the test session's isolated one, inherited).
     "vllm": (("--engine", "vllm", "--engine-option", "kv_cache_memory_bytes=33554432", "--engine-option", "max_model_len=128",
               "--engine-option", "multiprocess=false"), {}),
@@ -383,7 +386,8 @@ def test_sampled_logprobs_equal_training_logprobs_bit_for_bit_with_isoexec(tiny_
                                sampling_params=types.SamplingParams(max_tokens=200, seed=1)).result()
     assert total == 48
     (log,) = logs.glob("server-*.log")
-    assert f"sampling engine {engine!r} started (skyrl_{engine}." in log.read_text()
+    engine_name, dtype = engine.split("-")[0], "bfloat16" if engine.endswith("-bf16") else "float32"
+    assert re.search(rf"sampling engine '{engine_name}' started \(skyrl_{engine_name}\.\S+, {dtype}\)", log.read_text())
     if isoexec == "1":  # forward and forward_backward both see the sampler's bits: the KL is exactly 0
         assert differing == differing_fb == 0
     else:  # negative control: KV-cache decode and batched GEMMs round differently without IsoExec

@@ -41,7 +41,7 @@ BACKENDS = ("fsdp",)
 
 
 def build_backend(name: str, model_dir: str, *, rank: int, alpha: float, groups: tuple[str, ...], seed: int,
-                  micro_batch_tokens: int, cpu_gemm: str) -> Any:
+                  micro_batch_tokens: int, cpu_gemm: str, dtype: str = "float32") -> Any:
     from skyrl_core.config.loader import structure_options
     from skyrl_core.plugins.manager import get_plugin_manager
 
@@ -50,7 +50,8 @@ def build_backend(name: str, model_dir: str, *, rank: int, alpha: float, groups:
     # Tinker's AdamParams come with every optim_step; the config's lr/clip are not used. Passes are
     # sized like the in-process trainer's (MICRO_BATCH_BYTES).
     trainer = TrainerConfig(micro_batch_size=1024, micro_batch_tokens=micro_batch_tokens)
-    return spec.load_factory()(ModelConfig(path=model_dir), options, seed=seed, trainer=trainer)
+    # (the backend follows model.dtype: bfloat16 computes in bf16 over fp32 master weights)
+    return spec.load_factory()(ModelConfig(path=model_dir, dtype=dtype), options, seed=seed, trainer=trainer)
 
 
 class BackendLoraTrainer(LoraTrainer):
@@ -59,10 +60,10 @@ class BackendLoraTrainer(LoraTrainer):
     # pass): a datum longer than a plain pass holds is refused at submission (SmolLM2 on 24 GiB: 1683).
     checkpoints_long_passes = False
 
-    def __init__(self, model_dir: str, backend: str, *, cpu_gemm: str = "auto") -> None:
+    def __init__(self, model_dir: str, backend: str, *, cpu_gemm: str = "auto", dtype: str = "float32") -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend {backend!r}: Tinker training runs on {', '.join(BACKENDS)}")
-        super().__init__(model_dir, cpu_gemm=cpu_gemm)
+        super().__init__(model_dir, cpu_gemm=cpu_gemm, dtype=dtype)
         self.cpu_gemm = cpu_gemm
         self.model_dir = model_dir
         self.backend_name = backend
@@ -77,7 +78,7 @@ class BackendLoraTrainer(LoraTrainer):
         self.check_groups(groups)
         self.backends[name] = build_backend(self.backend_name, self.model_dir, rank=rank, alpha=alpha, groups=groups, seed=seed,
                                             micro_batch_tokens=max(1, MICRO_BATCH_BYTES // self.bytes_per_token),
-                                            cpu_gemm=self.cpu_gemm)
+                                            cpu_gemm=self.cpu_gemm, dtype=self.dtype)
         self.adapters[name] = Adapter(name, rank, alpha, groups, seed, optimizer=None)
 
     def adapter_bytes(self, rank: int, groups: tuple[str, ...]) -> int:

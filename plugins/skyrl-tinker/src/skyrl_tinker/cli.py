@@ -82,12 +82,13 @@ def tinker_group() -> None:
 @click.option("--checkpoints", "checkpoint_dir", default="tinker-checkpoints", show_default=True, type=click.Path(file_okay=False), help="directory for saved weights")
 @click.option("--api-keys", "api_keys_file", default=None, type=click.Path(exists=True, dir_okay=False), help="file of accepted API keys, one a line; without it any key is accepted")
 @click.option("--lora-alpha", type=click.FloatRange(min=0, min_open=True), default=32.0, show_default=True, help="LoRA alpha (scale alpha / rank)")
+@click.option("--dtype", type=click.Choice(("float32", "bfloat16")), default="float32", show_default=True, help="the base model's dtype in the trainer and the sampler: bfloat16 computes in bf16 (half the memory; bf16 products where the CPU has them), the adapters and their optimizer state stay fp32, logprobs and losses are fp32")
 @click.option("--cpu-gemm", default="auto", show_default=True, help="the trainer's fp32 matrix products on CPU: auto (the faster of the two on this machine, measured once), onednn (oneDNN) or torch (F.linear, PyTorch's BLAS); see benchmarks/cpu_gemm.py; IsoExec overrides all three")
 @click.option("--heap-mmap-mib", type=click.IntRange(min=0), default=0, show_default=True, help="tensors of at least this many MiB get their own memory map, returned when freed (0: every freed tensor stays in the heap for reuse, which fragments it and keeps the resident size at its high-water mark)")
 @click.option("--max-request-bytes", type=click.IntRange(min=1024), default=64 * 1024 * 1024, show_default=True, help="larger request bodies get 413")
 def serve(
     model_dir: str, model_name: str | None, engine: str, engine_option: tuple[str, ...], backend: str | None, host: str, port: int, db_url: str | None,
-    checkpoint_dir: str, api_keys_file: str | None, lora_alpha: float, cpu_gemm: str, heap_mmap_mib: int, max_request_bytes: int,
+    checkpoint_dir: str, api_keys_file: str | None, lora_alpha: float, dtype: str, cpu_gemm: str, heap_mmap_mib: int, max_request_bytes: int,
 ) -> None:
     """Serve the Tinker API for one base model on HOST:PORT."""
     if backend is not None:
@@ -120,7 +121,7 @@ def serve(
 
     service = TinkerService(model_dir, db_url=db_url, checkpoint_dir=checkpoint_dir, engine=engine,
                             engine_options=engine_options, backend=backend,
-                            base_model=model_name, lora_alpha=lora_alpha, cpu_gemm=cpu_gemm)
+                            base_model=model_name, lora_alpha=lora_alpha, cpu_gemm=cpu_gemm, dtype=dtype)
     app = create_app(service, api_keys=api_keys, max_body_bytes=max_request_bytes)
     click.echo(f"skyrl tinker: serving {service.base_model!r} on http://{host}:{port}", err=True)
     try:

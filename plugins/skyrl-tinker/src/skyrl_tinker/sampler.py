@@ -27,21 +27,22 @@ def engine_options(name: str, options: dict[str, Any]) -> Any:
     return structure_options(get_plugin_manager().spec("inference_engine", name), options, path="engine.options")
 
 
-def kv_budget(name: str, model_dir: str, options: dict[str, Any] | None = None) -> Any:
+def kv_budget(name: str, model_dir: str, options: dict[str, Any] | None = None, *, dtype: str = "float32") -> Any:
     """The KV-cache byte budget engine ``name`` would have over ``model_dir``, for an engine that
     sizes its cache by one and cannot preempt (skyrl-torch's ``kv_budget_of``: a ``KVBudget``, whose
     ``refusal(length)`` says why one sample of that many tokens cannot run); None for the others."""
     from skyrl_core.plugins.manager import get_plugin_manager
 
     budget_of = getattr(get_plugin_manager().spec("inference_engine", name).load_factory(), "kv_budget_of", None)
-    return None if budget_of is None else budget_of(ModelConfig(path=model_dir), engine_options(name, options or {}))
+    return None if budget_of is None else budget_of(ModelConfig(path=model_dir, dtype=dtype), engine_options(name, options or {}))
 
 
-def build_engine(name: str, model_dir: str, options: dict[str, Any] | None = None, seed: int = 0) -> Any:
+def build_engine(name: str, model_dir: str, options: dict[str, Any] | None = None, seed: int = 0, *, dtype: str = "float32") -> Any:
+    """Engine ``name`` over ``model_dir`` computing in ``dtype`` (the trainer's base model's)."""
     from skyrl_core.plugins.manager import get_plugin_manager
 
     spec = get_plugin_manager().spec("inference_engine", name)
-    return spec.load_factory()(ModelConfig(path=model_dir), engine_options(name, options or {}), seed=seed)
+    return spec.load_factory()(ModelConfig(path=model_dir, dtype=dtype), engine_options(name, options or {}), seed=seed)
 
 
 class Sampler:

@@ -73,6 +73,12 @@ Result = tuple[str, Any]  # ("json", dict) or ("proto", bytes)
 MAX_SAMPLE_BATCH = 64
 MAX_JOINING_CALLS = 4  # generate calls of one sampling batch in flight at once (each joins the engine's batch)
 MAX_JOINED_SAMPLES = 4 * MAX_SAMPLE_BATCH  # requests one sampling batch takes before the queue's next work runs
+# Before a sampling batch starts it waits for more requests while they keep coming: until none has
+# arrived for SAMPLE_GATHER_QUIET_S, at most SAMPLE_GATHER_MAX_S. The SDK sends a step's ``sample``
+# calls as one HTTP request each, within a few ms; started at the first, the engine took the others
+# in as joins, each a prefill of its own and a merge into the batch.
+SAMPLE_GATHER_QUIET_S = 0.01
+SAMPLE_GATHER_MAX_S = 0.05
 
 
 @attrs.frozen
@@ -99,6 +105,7 @@ class TinkerService:
         base_model: str | None = None,
         lora_alpha: float = DEFAULT_LORA_ALPHA,
         cpu_gemm: str = "auto",
+        dtype: str = "float32",
     ) -> None:
         from skyrl_tinker.trainer import LoraTrainer
 
@@ -116,11 +123,11 @@ class TinkerService:
         self.store = Store(db_url)
         self.store.add(InstanceRow(id=self.instance))
         if backend is None:
-            self.trainer = LoraTrainer(model_dir, cpu_gemm=cpu_gemm)
+            self.trainer = LoraTrainer(model_dir, cpu_gemm=cpu_gemm, dtype=dtype)
         else:
             from skyrl_tinker.backend_trainer import BackendLoraTrainer
 
-            self.trainer = BackendLoraTrainer(model_dir, backend, cpu_gemm=cpu_gemm)
+            self.trainer = BackendLoraTrainer(model_dir, backend, cpu_gemm=cpu_gemm, dtype=dtype)
         self._sampler: Any = None
         self._sampler_tensors: tuple[str, Any] | None = None
         self._queue: queue.Queue = queue.Queue()
@@ -169,6 +176,27 @@ class TinkerService:
                    and waiting[0][1].model_path == first.model_path and len(taken) < limit):
                 taken.append(waiting.popleft())
         return taken
+
+    def _gather_samples(self, first: SampleJob, room: int) -> list[tuple[str, SampleJob]]:
+        """Up to ``room`` more sampling requests for ``first``'s weights that arrive while they keep
+        coming (``SAMPLE_GATHER_QUIET_S`` apart, for at most ``SAMPLE_GATHER_MAX_S``), so that a
+        burst starts as one engine call; anything else queued ends the wait (order is kept)."""
+        gathered: list[tuple[str, SampleJob]] = []
+        now = time.perf_counter()
+        deadline, quiet_until = now + SAMPLE_GATHER_MAX_S, now + SAMPLE_GATHER_QUIET_S
+        with self._arrived:
+            while len(gathered) < room:
+                more = self._next_samples(first, room - len(gathered))
+                if more:
+                    gathered += more
+                    quiet_until = time.perf_counter() + SAMPLE_GATHER_QUIET_S
+                elif self._queue.qsize():  # other work (or other weights) is next: do not hold it back
+                    break
+                remaining = min(quiet_until, deadline) - time.perf_counter()
+                if remaining <= 0:
+                    break
+                self._arrived.wait(remaining)
+        return gathered
 
     def _run(self, future_id: str, work: Callable[[], Result]) -> None:
         # (A future is "running" only in memory: after a crash queued and running work are both
@@ -220,6 +248,7 @@ class TinkerService:
         except Exception as error:  # noqa: BLE001
             self._record([(fid, self._failure(error)) for fid, _ in jobs])
             return
+        jobs += self._gather_samples(job, MAX_SAMPLE_BATCH - len(jobs))
         results: dict[str, Any] = {}
 
         running = [0]  # generate calls not yet returned (under self._arrived)
@@ -400,7 +429,7 @@ class TinkerService:
         before anything samples."""
         from skyrl_tinker.sampler import kv_budget
 
-        return kv_budget(self.engine_name, self.model_dir, self.engine_options)
+        return kv_budget(self.engine_name, self.model_dir, self.engine_options, dtype=self.trainer.dtype)
 
     def _reserve_adapter_memory(self, model_id: str, rank: int, groups: tuple[str, ...]) -> None:
         """Count a new training run's memory against the adapters' share of the machine, or refuse
@@ -791,9 +820,9 @@ class TinkerService:
         if self._sampler is None:
             from skyrl_tinker.sampler import Sampler, build_engine
 
-            engine = build_engine(self.engine_name, self.model_dir, self.engine_options)
+            engine = build_engine(self.engine_name, self.model_dir, self.engine_options, dtype=self.trainer.dtype)
             self._sampler = Sampler(engine, full_sets=self.engine_name != "torch", rests=self.engine_name == "torch")
-            print(f"skyrl tinker: sampling engine {self.engine_name!r} started ({type(engine).__module__})", file=sys.stderr, flush=True)
+            print(f"skyrl tinker: sampling engine {self.engine_name!r} started ({type(engine).__module__}, {self.trainer.dtype})", file=sys.stderr, flush=True)
         return self._sampler
 
 

@@ -39,6 +39,8 @@ from skyrl_core.ops.gemm_choice import CPU_GEMMS, linear_defaults
 from skyrl_core.trainer.memory_estimate import machine_memory_bytes
 from skyrl_tinker.losses import compute_loss
 
+# The base model's dtypes (``skyrl tinker serve --dtype``).
+DTYPES = ("float32", "bfloat16")
 ADAPTER_FILE = "adapter.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 META_FILE = "adapter.json"
@@ -98,11 +100,16 @@ class LoraTrainer:
     next_token_targets_only = False  # any per-position targets
     checkpoints_long_passes = True  # a pass too large to keep every activation recomputes its layers
 
-    def __init__(self, model_dir: str, *, cpu_gemm: str = "auto") -> None:
+    def __init__(self, model_dir: str, *, cpu_gemm: str = "auto", dtype: str = "float32") -> None:
         if cpu_gemm not in CPU_GEMMS:
             raise ValueError(f"cpu_gemm {cpu_gemm!r}: allowed: {', '.join(CPU_GEMMS)}")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r}: allowed: {', '.join(DTYPES)}")
         keep_freed_memory()
-        self.model = load_causal_lm(ModelConfig(path=model_dir))
+        # The frozen base model in ``dtype`` (bfloat16: half the memory and bf16 products); the
+        # adapters and their AdamW state are fp32 whatever it is (``skyrl_core.lora.add_adapter``).
+        self.dtype = dtype
+        self.model = load_causal_lm(ModelConfig(path=model_dir, dtype=dtype))
         self.model.requires_grad_(False)
         # fp32 products on oneDNN (``skyrl_core.ops.onednn``, as the FSDP backend and the
         # skyrl-torch engine compute them): measured faster than MKL on this project's CPU.
@@ -121,14 +128,16 @@ class LoraTrainer:
         # SmolLM2 with rank-8 LoRA on every projection, 3.7-4.3 MiB a position against 3.7 here;
         # norms, rotary, attention and LoRA's sums keep many hidden-wide copies). The logits do
         # not count: they are chunked (``_logprobs``).
+        # A bf16 base keeps bf16 activations: half as many bytes (measured in docs/benchmarks.md).
         hidden = int(getattr(self.config, "hidden_size", 0))
         mlp = int(getattr(self.config, "intermediate_size", 0) or 4 * hidden)
         layers = int(getattr(self.config, "num_hidden_layers", 0))
-        self.bytes_per_token = 4 * layers * (24 * hidden + 12 * mlp)
+        element = self.model.dtype.itemsize
+        self.bytes_per_token = element * layers * (24 * hidden + 12 * mlp)
         self.layers, self.heads = layers, int(getattr(self.config, "num_attention_heads", 1))
         # With its layers checkpointed a pass keeps each layer's input and the residual stream, and
         # one layer's activations while backward recomputes it (SmolLM2: 0.27 MB a position, not 3.9)
-        self.checkpointed_bytes_per_token = 4 * (2 * layers * hidden + 24 * hidden + 12 * mlp)
+        self.checkpointed_bytes_per_token = element * (2 * layers * hidden + 24 * hidden + 12 * mlp)
         memory = machine_memory_bytes()
         self.checkpoint_above_bytes = int(CHECKPOINT_ABOVE_MEMORY_SHARE * memory)
         self.max_train_tokens = self._longest_within(int(PASS_MEMORY_SHARE * memory), checkpointed=self.checkpoints_long_passes)
