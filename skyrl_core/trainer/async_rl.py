@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
+from skyrl_core.openmp_teams import release_thread_team
 from skyrl_core.rollout import Trajectory, TrainingSample, request_seed, training_samples
 
 if TYPE_CHECKING:
@@ -109,12 +110,15 @@ class OneStepOffRollouts(SyncRollouts):
                 self._ready_at = time.perf_counter()
 
         self._pending = (step, self._pool.submit(run), state)
+        # Rollouts compute on their thread while this one mostly waits on the trainer's processes.
+        release_thread_team()
 
     def collect(self, step: int) -> tuple[list[Trajectory], list[TrainingSample], dict[str, float]]:
         if self._pending is None:
             self._start(step)
         pending_step, future, _state = self._pending
         assert pending_step == step, (pending_step, step)
+        release_thread_team()  # this thread waits while the rollout thread computes (skyrl_core.openmp_teams)
         waited = time.perf_counter()
         trajectories, samples, metrics = future.result()
         trainer_wait = time.perf_counter() - waited
@@ -207,6 +211,7 @@ class FullyAsyncRollouts(SyncRollouts):
         trained = step - 1
         taken: list[list[Trajectory]] = []
         dropped = 0
+        release_thread_team()  # this thread waits while the rollout threads compute (skyrl_core.openmp_teams)
         waited = time.perf_counter()
         with self._lock:
             while len(taken) < self.prompts_per_step:
@@ -244,6 +249,7 @@ class FullyAsyncRollouts(SyncRollouts):
                 self.engine.recompute_kv()
         finally:
             self.engine.resume()
+        release_thread_team()  # the load computed here; the rollout threads compute from now on
         with self._lock:  # a newer policy admits more groups
             self._version = step
             self._lock.notify_all()

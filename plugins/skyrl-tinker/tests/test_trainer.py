@@ -342,3 +342,46 @@ def test_a_burst_of_sampling_requests_starts_as_one_engine_call(tiny_model, tmp_
             assert calls[0] == 1 and sum(calls) == 8
     finally:
         service.close()
+
+
+def test_threads_that_hand_computing_over_release_their_openmp_teams(tiny_model, tmp_path, monkeypatch):
+    """The thread that built the service (it loaded the model) and the worker (it merged the
+    adapter) release their OpenMP teams before the sampling threads compute: an idle team beside a
+    computing one makes libgomp throttle both (``skyrl_core.openmp_teams``)."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from skyrl_core.types import SamplingParams
+    from skyrl_tinker import service as service_module
+    from skyrl_tinker.service import SampleJob, TinkerService
+
+    events: list[tuple[str, str]] = []
+    monkeypatch.setattr(service_module, "release_thread_team", lambda: events.append(("release", threading.current_thread().name)) or True)
+
+    class RecordingSampler:
+        engine = SimpleNamespace(supports_pause=True)  # generate runs on sampling threads
+        full_sets = False
+
+        def load(self, key, tensors, base):
+            events.append(("load", threading.current_thread().name))
+
+        def ready(self):
+            pass
+
+        def sample(self, requests):
+            events.append(("sample", threading.current_thread().name))
+            return [[("length", (1, 2), (-0.5, -0.25))] for _ in requests]
+
+    service = TinkerService(tiny_model, db_url=f"sqlite:///{tmp_path / 'db.sqlite'}", checkpoint_dir=str(tmp_path / "ckpt"))
+    try:
+        assert events == [("release", threading.current_thread().name)]
+        service._get_sampler = lambda: RecordingSampler()
+        job = SampleJob(model_path=None, checkpoint_dir=None, prompt=[1, 2, 3], params=SamplingParams(max_tokens=2), prompt_logprobs=False)
+        future = service.submit("alice", "sample", None, job)
+        deadline = time.monotonic() + 30
+        while future["request_id"] in service._pending and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert events[1:] == [("load", "tinker-worker"), ("release", "tinker-worker"), ("sample", "tinker-sample")]
+    finally:
+        service.close()

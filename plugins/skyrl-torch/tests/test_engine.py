@@ -181,6 +181,44 @@ def test_threads_option_sets_generation_threads_on_the_driving_thread_only():
     assert seen["after 1"] == [2] and seen["after None"] == [2]
 
 
+DRIVER_TEAM_PROBE = """
+import os, sys, torch
+import skyrl_torch.engine
+from skyrl_core.config.schema import ModelConfig
+from skyrl_core.testing.engine_contract import TINY_QWEN3, request
+from skyrl_torch.options import TorchEngineOptions
+if "keep" in sys.argv:  # the negative control: the driver keeps its team
+    skyrl_torch.engine.release_thread_team = lambda: True
+eng = skyrl_torch.engine.TorchEngine(ModelConfig(config=dict(TINY_QWEN3)), TorchEngineOptions(), seed=0)
+tasks = lambda: len(os.listdir("/proc/self/task"))
+torch.ones(1 << 20).exp_()  # a parallel region on 2 threads: this thread has a team
+before = tasks()
+eng.generate([request([65, 66, 67], "a", n=4, max_tokens=4)])
+print(before, tasks())
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="counts threads in /proc")
+def test_the_driving_thread_releases_its_openmp_team_when_it_stops_driving():
+    """The next driver may be another thread, whose team would be throttled beside an idle one
+    (``skyrl_core.openmp_teams``): a driver ends its team when it stops driving."""
+    import os
+
+    from skyrl_core.openmp_teams import _libgomp
+
+    if _libgomp() is None:
+        pytest.skip("torch does not run on libgomp here: nothing to release")
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    counts = {}
+    for mode in ("release", "keep"):
+        out = subprocess.run([sys.executable, "-c", DRIVER_TEAM_PROBE, mode], capture_output=True, text=True, env=env, check=True)
+        counts[mode] = [int(v) for v in out.stdout.split()[-2:]]
+    before, after = counts["release"]
+    assert after == before - 1  # the team's one worker is gone
+    before, after = counts["keep"]
+    assert after == before  # negative control: without the release the worker stays
+
+
 def test_native_weight_views_follow_update_weights(reference):
     """The native decoder stacks q/k/v and gate/up into fused tensors that the parameters view."""
     eng = engine()

@@ -26,6 +26,7 @@ from typing import Any, Callable
 import attrs
 import numpy as np
 
+from skyrl_core.openmp_teams import release_thread_team
 from skyrl_tinker.losses import LossInputError, check_loss
 from skyrl_tinker.store import (
     DONE,
@@ -139,6 +140,9 @@ class TinkerService:
         self._pending: dict[str, FutureRow] = {}  # queued or running; written when finished
         self._worker = threading.Thread(target=self._work, name="tinker-worker", daemon=True)
         self._worker.start()
+        # The model was loaded on this thread; the worker and the sampling threads compute from
+        # now on, and this thread's OpenMP team would slow theirs down (skyrl_core.openmp_teams).
+        release_thread_team()
 
     # --- the work queue -----------------------------------------------------------------------------
 
@@ -265,6 +269,9 @@ class TinkerService:
                     self._arrived.notify_all()
 
         if getattr(sampler.engine, "supports_pause", False):
+            # This thread waits while the generate threads compute: its OpenMP team would slow
+            # theirs down (skyrl_core.openmp_teams).
+            release_thread_team()
             # Bounded on both sides: at most MAX_JOINING_CALLS generate calls at once (requests that
             # arrive meanwhile wait and join as one call), and at most MAX_JOINED_SAMPLES requests
             # in this batch, after which arrivals wait for the next one (a steady flood of samples

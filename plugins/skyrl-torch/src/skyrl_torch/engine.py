@@ -49,6 +49,7 @@ from skyrl_core.heap import keep_freed_memory, release_freed_memory
 from skyrl_core.models import load_causal_lm, load_tokenizer
 from skyrl_core.ops import prepare_model, site_scope, token_logprobs
 from skyrl_core.ops.onednn import computes as onednn_computes
+from skyrl_core.openmp_teams import release_thread_team
 from skyrl_core.trainer.memory_estimate import machine_memory_bytes
 from skyrl_core.types import GeneratedSample, GenerationRequest
 from skyrl_torch.installed_ops_decoder import InstalledOpsDecoder, missing_ops
@@ -344,6 +345,9 @@ class TorchEngine:
         finally:
             if torch.get_num_threads() != caller_threads:
                 torch.set_num_threads(caller_threads)
+            # The next driver may be another thread (a joining caller, another rollout worker): this
+            # one's OpenMP team, idle from now on, would slow its team down (skyrl_core.openmp_teams).
+            release_thread_team()
             with self._lock:
                 self._driver = None
                 self._parked = False
