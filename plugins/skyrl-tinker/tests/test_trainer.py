@@ -385,3 +385,80 @@ def test_threads_that_hand_computing_over_release_their_openmp_teams(tiny_model,
         assert events[1:] == [("load", "tinker-worker"), ("release", "tinker-worker"), ("sample", "tinker-sample")]
     finally:
         service.close()
+
+
+def _failing_second_pass(trainer: LoraTrainer, monkeypatch: pytest.MonkeyPatch, where: str):
+    """From now on every pass holds one datum, and the second pass of the next call fails: in its
+    loss, or inside its backward once the later layers' adapter gradients were already added (a hook
+    on the gradient of the first layer's output, which backward reaches last)."""
+    import skyrl_tinker.trainer as trainer_module
+    from skyrl_core.backends.activation_checkpointing import decoder_layers
+
+    monkeypatch.setattr(trainer, "_micro_batches", lambda examples: ([i] for i in range(len(examples))))
+    passes = [0]
+    real_loss = trainer_module.compute_loss
+
+    def compute_loss(*args, **kwargs):
+        passes[0] += 1
+        if passes[0] == 2 and where == "loss":
+            raise RuntimeError("loss failed")
+        return real_loss(*args, **kwargs)
+
+    def fail_in_backward(grad):
+        if passes[0] == 2:
+            raise RuntimeError("backward failed")
+        return grad
+
+    def hook_output(module, inputs, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        if hidden.requires_grad:
+            hidden.register_hook(fail_in_backward)
+
+    monkeypatch.setattr(trainer_module, "compute_loss", compute_loss)
+    if where == "backward":
+        return decoder_layers(trainer.model)[0].register_forward_hook(hook_output).remove
+    return lambda: None
+
+
+def _adapter_grads(trainer: LoraTrainer) -> dict[str, torch.Tensor | None]:
+    return {n: None if p.grad is None else p.grad.clone() for n, p in trainer.model.named_parameters() if ".lora_" in n}
+
+
+@pytest.mark.parametrize("where", ["loss", "backward"])
+@pytest.mark.parametrize("guarded", [True, False])
+def test_a_forward_backward_failing_in_its_second_pass_leaves_the_gradients_as_found(tiny_model, monkeypatch, where, guarded):
+    """The first pass's gradients are already added when the second fails; the call puts back the
+    gradients it found, bit for bit: none (after an optimizer step), or those of an earlier call.
+    Negative control (``guarded=False``, the restoring removed): the failed call's part-batch stays."""
+    import contextlib
+
+    import skyrl_tinker.trainer as trainer_module
+
+    if not guarded:
+        monkeypatch.setattr(trainer_module, "gradients_restored_on_failure", lambda params: contextlib.nullcontext())
+    trainer = LoraTrainer(tiny_model)
+    trainer.create("a", rank=4, alpha=32.0, groups=("attn", "mlp"), seed=1)
+    with torch.no_grad():  # a non-zero B, so that every adapter tensor gets a gradient
+        for name, p in trainer.model.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    data = _examples()
+    for earlier in (False, True):
+        trainer.adapters["a"].optimizer.zero_grad(set_to_none=True)
+        if earlier:  # a caller accumulating over calls
+            trainer.forward_backward("a", data[:1], "importance_sampling", None)
+        found = _adapter_grads(trainer)
+        assert all((g is not None) == earlier for g in found.values())
+        with monkeypatch.context() as patch:
+            unhook = _failing_second_pass(trainer, patch, where)
+            with pytest.raises(RuntimeError, match=f"{where} failed"):
+                trainer.forward_backward("a", data, "importance_sampling", None)
+            unhook()
+        after = _adapter_grads(trainer)
+        same = all(
+            (a is None and b is None) or (a is not None and b is not None and torch.equal(a.view(torch.int32), b.view(torch.int32)))
+            for a, b in zip(found.values(), after.values())
+        )
+        assert same == guarded
+        # and the adapter trains on afterwards
+        trainer.forward_backward("a", data, "importance_sampling", None)

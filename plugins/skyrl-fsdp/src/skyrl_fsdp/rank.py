@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from skyrl_core.backends.activation_checkpointing import checkpoint_layers, decoder_layers
 from skyrl_core.backends.packing import scatter_rows, trim
+from skyrl_core.backends.gradients_on_failure import gradients_restored_on_failure
 from skyrl_core.backends.rank_setup import (
     accepts_keyword,
     batch_to_device,
@@ -218,20 +219,14 @@ class FSDPRank:
         wants_entropy = accepts_keyword(loss_fn, "entropy")
         results = []
         passes = self._micro_batches(part, plan, num_micro, filler)
-        # A call whose loss fails part-way adds nothing: its finished micro-batches' gradients are already
-        # in the shards, so the gradients it found are put back (copied here only when there are
-        # any: a caller accumulating over calls; after optim_step there are none).
-        found = {p: p.grad.detach().clone() for p in self.model.parameters() if p.grad is not None}
-        try:
+        # A call whose loss fails part-way adds nothing: its finished micro-batches' gradients are
+        # already in the shards.
+        with gradients_restored_on_failure(self.model.parameters()):
             with self._gathered_for_call() as before_last_backward:
                 for index, (micro, real) in enumerate(passes):
                     if index == len(passes) - 1:
                         before_last_backward()
                     results.extend(self._forward_backward_one(micro, real, loss_fn, temperature, wants_entropy))
-        except BaseException:
-            for p in self.model.parameters():
-                p.grad = found.get(p)
-            raise
         return results
 
     def _gathered_for_call(self):

@@ -29,6 +29,7 @@ import torch
 
 from skyrl_core import lora
 from skyrl_core.backends.activation_checkpointing import checkpointed_layers, decoder_layers
+from skyrl_core.backends.gradients_on_failure import gradients_restored_on_failure
 from skyrl_core.config.schema import ModelConfig
 from skyrl_core.heap import keep_freed_memory, own_maps_above, release_freed_memory
 from skyrl_core.models import load_causal_lm
@@ -336,17 +337,20 @@ class LoraTrainer:
         """Logprobs and loss; gradients accumulate in adapter ``name``. Through peft's LoRA layers
         (``W x + s B A x``, cheap) with stock ops; when an op plugin installs its own ops
         (IsoExec), through the merged weights, differentiable in A and B, so that these logprobs
-        are the sampler's bits too (one weight-sized gradient product more per adapted layer)."""
+        are the sampler's bits too (one weight-sized gradient product more per adapted layer).
+        A call that fails (in any pass, in the loss or inside backward) leaves the adapter's
+        gradients as it found them."""
         self._adapter(name)
-        if self.merged_training:
-            with self._merged(lora.adapter_tensors(self.model, name, live=True)):
-                return self._run(examples, loss_fn, loss_config, backward=True)
-        lora.select(self.model, name)
-        try:
-            with lora.fused_forward(self.model, name):
-                return self._run(examples, loss_fn, loss_config, backward=True)
-        finally:
-            lora.select(self.model, None)
+        with gradients_restored_on_failure(lora.adapter_parameters(self.model, name)):
+            if self.merged_training:
+                with self._merged(lora.adapter_tensors(self.model, name, live=True)):
+                    return self._run(examples, loss_fn, loss_config, backward=True)
+            lora.select(self.model, name)
+            try:
+                with lora.fused_forward(self.model, name):
+                    return self._run(examples, loss_fn, loss_config, backward=True)
+            finally:
+                lora.select(self.model, None)
 
     def score(self, tensors: dict[str, torch.Tensor] | None, tokens: Sequence[int]) -> np.ndarray:
         """Prompt logprobs ``[len - 1]`` of ``tokens[1:]`` under ``tensors`` merged (None: base)."""
