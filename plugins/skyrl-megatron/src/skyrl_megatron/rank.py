@@ -17,6 +17,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from skyrl_core.backends.gradients_on_failure import gradients_restored_on_failure
 from skyrl_core.backends.packing import plan_micro_batches, scatter_rows
 from skyrl_core.backends.rank_setup import accepts_keyword, batch_to_device, join_process_group, resolve_device
 from skyrl_core.config.schema import ModelConfig, TrainerConfig
@@ -323,7 +324,15 @@ class MegatronRank:
         self, part: TrainingBatch, loss_fn: LossFn, temperature: float, num_passes: int | None = None
     ) -> list[tuple[dict[str, float], float]]:
         """Per micro-batch of this replica's rows: ``({**metrics, "loss": loss}, trained tokens)``;
-        gradients accumulate. The driver reduces the records once for the mini-batch."""
+        gradients accumulate. The driver reduces the records once for the mini-batch. A call that
+        fails part-way leaves the gradients as it found them (``p.grad``: the CPU optimizer's; the
+        GPU path's ``main_grad`` buffers are not put back)."""
+        with gradients_restored_on_failure(self.model.parameters()):
+            return self._forward_backward(part, loss_fn, temperature, num_passes)
+
+    def _forward_backward(
+        self, part: TrainingBatch, loss_fn: LossFn, temperature: float, num_passes: int | None
+    ) -> list[tuple[dict[str, float], float]]:
         wants_entropy = accepts_keyword(loss_fn, "entropy")
         results = []
         for micro in self._passes(part, num_passes):
