@@ -110,6 +110,31 @@ def mean_logprob_loss(logprobs: torch.Tensor, batch: TrainingBatch) -> tuple[tor
     return loss, {"tokens": float(batch.loss_mask.sum())}
 
 
+def check_a_failing_call_adds_no_gradient(make_backend: Callable[[], Any], batch: TrainingBatch, accumulating: bool) -> None:
+    """``forward_backward`` whose loss fails at the second micro-batch (the first one's gradients
+    already added) leaves the gradients as it found them: none, or (``accumulating``) an earlier
+    call's; the next step then gives the bits of a run without the failure. ``batch`` must take
+    two micro-batches or more."""
+    calls = []
+
+    def failing_second(logprobs: torch.Tensor, micro: TrainingBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("the loss failed")
+        return mean_logprob_loss(logprobs, micro)
+
+    with make_backend() as clean, make_backend() as failed:
+        if accumulating:
+            clean.forward_backward(batch, mean_logprob_loss)
+            failed.forward_backward(batch, mean_logprob_loss)
+        with pytest.raises(RuntimeError, match="the loss failed"):
+            failed.forward_backward(batch, failing_second)
+        after_failure = {**failed.forward_backward(batch, mean_logprob_loss), **failed.optim_step()}
+        expected = {**clean.forward_backward(batch, mean_logprob_loss), **clean.optim_step()}
+        assert after_failure["grad_norm"] == expected["grad_norm"]
+        assert_weights_bitwise_equal(dict(clean.export_weights()), dict(failed.export_weights()))
+
+
 def hf_model_with(model: ModelConfig, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
     """A plain transformers model of ``model``'s architecture holding ``weights`` (fp32, eval)."""
     import attrs

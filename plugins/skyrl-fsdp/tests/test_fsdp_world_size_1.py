@@ -12,6 +12,7 @@ from skyrl_core.testing.backend_contract import (
     RESPONSE_LENGTHS,
     TINY_QWEN3,
     assert_weights_bitwise_equal,
+    check_a_failing_call_adds_no_gradient,
     hf_model_with,
     make_batch,
     mean_logprob_loss,
@@ -294,24 +295,5 @@ def test_one_rank_reduces_its_gradients_without_dividing_them_and_with_the_same_
 
 @pytest.mark.parametrize("accumulating", [False, True])
 def test_a_call_that_fails_part_way_adds_no_gradient(batch, accumulating):
-    """forward_backward failing at its second micro-batch (the first one's gradients already reduced
-    into the shards) leaves the gradients as it found them: none, or those of an earlier call that a
-    caller accumulates over; the next step's update is the bits of a run without the failure."""
-    calls = []
-
-    def failing_second(logprobs, micro):
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("the loss failed")
-        return mean_logprob_loss(logprobs, micro)
-
-    with backend() as clean, backend() as failed:
-        if accumulating:
-            clean.forward_backward(batch, mean_logprob_loss)
-            failed.forward_backward(batch, mean_logprob_loss)
-        with pytest.raises(RuntimeError, match="the loss failed"):
-            failed.forward_backward(batch, failing_second)
-        after_failure = {**failed.forward_backward(batch, mean_logprob_loss), **failed.optim_step()}
-        expected = {**clean.forward_backward(batch, mean_logprob_loss), **clean.optim_step()}
-        assert after_failure["grad_norm"] == expected["grad_norm"]
-        assert_weights_bitwise_equal(dict(clean.export_weights()), dict(failed.export_weights()))
+    """(the first micro-batch's gradients already reduced into the shards)"""
+    check_a_failing_call_adds_no_gradient(backend, batch, accumulating)

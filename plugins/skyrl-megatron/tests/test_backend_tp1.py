@@ -13,10 +13,9 @@ from skyrl_core.plugins.records import OpImplSpec
 from skyrl_core.testing.backend_contract import (
     PROMPT_LENGTHS,
     RESPONSE_LENGTHS,
-    assert_weights_bitwise_equal,
+    check_a_failing_call_adds_no_gradient,
     hf_model_with,
     make_batch,
-    mean_logprob_loss,
     random_sequences,
     reference_logprobs,
 )
@@ -246,28 +245,7 @@ def test_preflight_refuses_splits_the_model_cannot_take(config, options, message
 
 @pytest.mark.parametrize("accumulating", [False, True])
 def test_a_call_that_fails_part_way_adds_no_gradient(sequences, accumulating):
-    """forward_backward failing at its second micro-batch (the first one's gradients already added)
-    leaves the gradients as it found them: none, or an earlier call's; the next step's update is the
-    bits of a run without the failure."""
-    batch = make_batch(*sequences)
-    calls = []
-
-    def failing_second(logprobs, micro):
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("the loss failed")
-        return mean_logprob_loss(logprobs, micro)
-
     trainer = TrainerConfig(lr=1e-2, micro_batch_size=2)
-    with MegatronBackend(MODEL, MegatronOptions(), trainer=trainer) as clean, \
-            MegatronBackend(MODEL, MegatronOptions(), trainer=trainer) as failed:
-        if accumulating:
-            clean.forward_backward(batch, mean_logprob_loss)
-            failed.forward_backward(batch, mean_logprob_loss)
-        with pytest.raises(RuntimeError, match="the loss failed"):
-            failed.forward_backward(batch, failing_second)
-        assert len(calls) == 2
-        after_failure = {**failed.forward_backward(batch, mean_logprob_loss), **failed.optim_step()}
-        expected = {**clean.forward_backward(batch, mean_logprob_loss), **clean.optim_step()}
-        assert after_failure["grad_norm"] == expected["grad_norm"]
-        assert_weights_bitwise_equal(dict(clean.export_weights()), dict(failed.export_weights()))
+    check_a_failing_call_adds_no_gradient(
+        lambda: MegatronBackend(MODEL, MegatronOptions(), trainer=trainer), make_batch(*sequences), accumulating
+    )
