@@ -93,6 +93,34 @@ class SampleJob:
     prompt_logprobs: bool
 
 
+PARTIAL, REPLACED = ".partial", ".replaced"
+
+
+def publish_directory(tmp: str, directory: str) -> None:
+    """Make the finished ``tmp`` the checkpoint ``directory``. A checkpoint it overwrites is moved
+    aside first and deleted only once the new one is in place, so at every moment one of them is
+    whole on disk: a crash between the two renames leaves the old one at ``directory + REPLACED``,
+    put back by ``recover_replaced`` when the server starts."""
+    aside = directory + REPLACED
+    shutil.rmtree(aside, ignore_errors=True)
+    if os.path.exists(directory):
+        os.replace(directory, aside)
+    os.replace(tmp, directory)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def recover_replaced(directory: str) -> None:
+    """Undo what a crash inside ``publish_directory`` left: the old checkpoint back where its row
+    points if the new one never arrived, else the leftover copy deleted."""
+    aside = directory + REPLACED
+    if not os.path.isdir(aside):
+        return
+    if os.path.exists(directory):
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.replace(aside, directory)
+
+
 class TinkerService:
     def __init__(
         self,
@@ -123,6 +151,8 @@ class TinkerService:
         self.instance = uuid.uuid4().hex[:16]
         self.store = Store(db_url)
         self.store.add(InstanceRow(id=self.instance))
+        for row in self.store.rows(CheckpointRow):  # an overwrite cut short by a crash
+            recover_replaced(row.directory)
         if backend is None:
             self.trainer = LoraTrainer(model_dir, cpu_gemm=cpu_gemm, dtype=dtype)
         else:
@@ -610,11 +640,10 @@ class TinkerService:
         model_id = request.model_id
 
         def work() -> Result:
-            tmp = directory + ".partial"
+            tmp = directory + PARTIAL
             shutil.rmtree(tmp, ignore_errors=True)
             self.trainer.save(model_id, tmp, optimizer=True)
-            shutil.rmtree(directory, ignore_errors=True)
-            os.replace(tmp, directory)
+            publish_directory(tmp, directory)
             self.store.put([self._checkpoint_row(owner, model_id, "training", path, checkpoint_id, directory, request.user_metadata)])
             return "json", {"path": path, "type": "save_weights"}
 
@@ -629,10 +658,10 @@ class TinkerService:
         model_id, named = request.model_id, request.path is not None
 
         def work() -> Result:
-            tmp = directory + ".partial"
+            tmp = directory + PARTIAL
             shutil.rmtree(tmp, ignore_errors=True)
             self.trainer.save(model_id, tmp, optimizer=False)
-            os.replace(tmp, directory)
+            publish_directory(tmp, directory)
             checkpoint = self._checkpoint_row(owner, model_id, "sampler", path, checkpoint_id, directory, request.user_metadata)
             if named:
                 self.store.put([checkpoint])
