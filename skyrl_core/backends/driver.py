@@ -13,12 +13,12 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import uuid
 from typing import Any, Iterator
 
 import torch
 
 from skyrl_core.backends.packing import combine_micro_metrics
+from skyrl_core.directories import publish_directory
 from skyrl_core.interfaces import LossFn
 from skyrl_core.types import TrainingBatch
 
@@ -168,13 +168,7 @@ class RankDriver:
         os.chmod(tmp, 0o755)
         try:
             self._call(method, [(tmp,)] * self.world_size)
-            if os.path.exists(path):
-                old = f"{path}.old-{uuid.uuid4().hex[:8]}"
-                os.rename(path, old)
-                os.rename(tmp, path)
-                shutil.rmtree(old)
-            else:
-                os.rename(tmp, path)
+            publish_directory(tmp, path)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -28,6 +28,7 @@ import shutil
 import tempfile
 from typing import TYPE_CHECKING, Any
 
+from skyrl_core.directories import publish_directory, recover_replaced
 from skyrl_core.rng_state import capture_rng_state, restore_rng_state
 
 if TYPE_CHECKING:
@@ -45,7 +46,9 @@ FORMAT = 2
 
 # What an interrupted atomic write leaves: ``.NAME.tmp-XXXX`` (a temporary directory or file being
 # written, here and in ``RankDriver._write_atomically``) and ``NAME.old-XXXXXXXX`` (a replaced one).
-_STALE = re.compile(r"\..+\.tmp(-[A-Za-z0-9_]+)?|.+\.old-[0-9a-f]{8}")
+_STALE = re.compile(r"\..+\.tmp(-[A-Za-z0-9_]+)?")
+# An old copy moved aside by an overwrite (skyrl_core.directories; ``.old-<hex>`` by earlier versions)
+_ASIDE = re.compile(r"(.+)(\.replaced|\.old-[0-9a-f]{8})")
 
 
 def checkpoint_name(step: int) -> str:
@@ -70,9 +73,7 @@ def save_checkpoint(output_dir: str, step: int, backend: TrainingBackend, traine
         with open(os.path.join(tmp, STATE_FILE), "w", encoding="utf-8") as f:
             json.dump({"format": FORMAT, "step": step, **trainer_state}, f, sort_keys=True)
         apply_ordinary_modes(tmp)
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.rename(tmp, final)
+        publish_directory(tmp, final)  # (an old copy of this step is deleted only once this one is in place)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -135,13 +136,20 @@ def load_checkpoint(path: str, backend: TrainingBackend, critic: Critic | None =
 
 
 def remove_stale_temporaries(run_dir: str) -> list[str]:
-    """Delete what interrupted atomic writes left in ``run_dir`` and its ``checkpoints/``; return
+    """Delete what interrupted atomic writes left in ``run_dir`` and its ``checkpoints/``, and put
+    back an old copy an interrupted overwrite left aside where the new one never arrived; return
     the paths removed. Only names this module and the backend driver create are touched."""
     removed = []
     for root in (run_dir, os.path.join(run_dir, CHECKPOINTS_DIR)):
         if not os.path.isdir(root):
             continue
         for name in sorted(os.listdir(root)):
+            aside = _ASIDE.fullmatch(name)
+            if aside is not None:
+                # put back where the new copy never arrived, else deleted
+                if recover_replaced(os.path.join(root, aside.group(1)), os.path.join(root, name)) == "removed":
+                    removed.append(os.path.join(root, name))
+                continue
             if not _STALE.fullmatch(name):
                 continue
             path = os.path.join(root, name)

@@ -134,6 +134,19 @@ def test_checkpoint_files_get_the_modes_of_ordinary_files(tmp_path) -> None:
     assert os.stat(other).st_mode & 0o777 == 0o750
 
 
+def test_a_checkpoint_an_interrupted_overwrite_left_aside_is_put_back(tmp_path) -> None:
+    """Re-saving a step moves its old copy aside first; if the process died before the new copy
+    arrived, the run's pre-flight clean-up puts the old one back where ``latest`` points."""
+    ckpt.save_checkpoint(str(tmp_path), 1, FakeBackendState(), {"marker": "first"})
+    root = tmp_path / "checkpoints"
+    os.replace(root / "step_000001", root / "step_000001.replaced")  # what the crash leaves
+    assert ckpt.remove_stale_temporaries(str(tmp_path)) == []
+    assert ckpt.read_trainer_state(ckpt.resolve_checkpoint(str(tmp_path)))["marker"] == "first"
+    ckpt.save_checkpoint(str(tmp_path), 1, FakeBackendState(), {"marker": "second"})  # a whole overwrite
+    assert ckpt.read_trainer_state(ckpt.resolve_checkpoint(str(tmp_path)))["marker"] == "second"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000001"]
+
+
 def test_temporaries_of_a_killed_checkpoint_are_removed(tmp_path) -> None:
     ckpt.save_checkpoint(str(tmp_path), 1, FakeBackendState(), {})
     root = tmp_path / "checkpoints"

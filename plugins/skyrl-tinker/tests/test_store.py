@@ -2,8 +2,6 @@
 
 import datetime as dt
 
-import pytest
-
 from skyrl_tinker.store import DONE, FAILED, PENDING, FutureRow, InstanceRow, ModelRow, Store, done, failed
 
 
@@ -31,46 +29,9 @@ def _write(directory, text: str) -> None:
     (directory / "adapter.safetensors").write_text(text)
 
 
-def test_overwriting_a_checkpoint_keeps_one_whole_copy_on_disk_through_a_crash(tmp_path, monkeypatch):
-    """``publish_directory`` moves the old checkpoint aside before the new one takes its place; a
-    crash between the two renames (simulated: the second rename fails) leaves the old one aside,
-    and ``recover_replaced`` (run at server start) puts it back bit for bit."""
-    import os
-
-    import skyrl_tinker.service as service_module
-    from skyrl_tinker.service import PARTIAL, REPLACED, publish_directory, recover_replaced
-
-    directory = tmp_path / "weights" / "step"
-    _write(directory, "old")
-    _write(tmp_path / "weights" / f"step{PARTIAL}", "new")
-    real_replace = os.replace
-
-    def crash_on_the_second_rename(src, dst):
-        if str(src).endswith(PARTIAL):
-            raise OSError("killed")
-        real_replace(src, dst)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(service_module.os, "replace", crash_on_the_second_rename)
-        with pytest.raises(OSError, match="killed"):
-            publish_directory(str(tmp_path / "weights" / f"step{PARTIAL}"), str(directory))
-    assert not directory.exists() and (tmp_path / "weights" / f"step{REPLACED}").is_dir()
-    recover_replaced(str(directory))
-    assert (directory / "adapter.safetensors").read_text() == "old"
-    assert not (tmp_path / "weights" / f"step{REPLACED}").exists()
-    # Without a crash: the new one in place, nothing left aside.
-    publish_directory(str(tmp_path / "weights" / f"step{PARTIAL}"), str(directory))
-    assert (directory / "adapter.safetensors").read_text() == "new"
-    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["step"]
-    # A copy left aside beside a complete new one is deleted, the new one kept.
-    _write(tmp_path / "weights" / f"step{REPLACED}", "old")
-    recover_replaced(str(directory))
-    assert (directory / "adapter.safetensors").read_text() == "new"
-    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["step"]
-
-
 def test_a_starting_server_puts_back_a_checkpoint_an_interrupted_overwrite_moved_aside(tiny_model, tmp_path):
-    from skyrl_tinker.service import REPLACED, TinkerService
+    from skyrl_core.directories import REPLACED
+    from skyrl_tinker.service import TinkerService
     from skyrl_tinker.store import CheckpointRow, Store
 
     db = f"sqlite:///{tmp_path / 'db.sqlite'}"

@@ -26,6 +26,7 @@ from typing import Any, Callable
 import attrs
 import numpy as np
 
+from skyrl_core.directories import publish_directory, recover_replaced
 from skyrl_core.openmp_teams import release_thread_team
 from skyrl_tinker.losses import LossInputError, check_loss
 from skyrl_tinker.store import (
@@ -93,32 +94,7 @@ class SampleJob:
     prompt_logprobs: bool
 
 
-PARTIAL, REPLACED = ".partial", ".replaced"
-
-
-def publish_directory(tmp: str, directory: str) -> None:
-    """Make the finished ``tmp`` the checkpoint ``directory``. A checkpoint it overwrites is moved
-    aside first and deleted only once the new one is in place, so at every moment one of them is
-    whole on disk: a crash between the two renames leaves the old one at ``directory + REPLACED``,
-    put back by ``recover_replaced`` when the server starts."""
-    aside = directory + REPLACED
-    shutil.rmtree(aside, ignore_errors=True)
-    if os.path.exists(directory):
-        os.replace(directory, aside)
-    os.replace(tmp, directory)
-    shutil.rmtree(aside, ignore_errors=True)
-
-
-def recover_replaced(directory: str) -> None:
-    """Undo what a crash inside ``publish_directory`` left: the old checkpoint back where its row
-    points if the new one never arrived, else the leftover copy deleted."""
-    aside = directory + REPLACED
-    if not os.path.isdir(aside):
-        return
-    if os.path.exists(directory):
-        shutil.rmtree(aside, ignore_errors=True)
-    else:
-        os.replace(aside, directory)
+PARTIAL = ".partial"  # a checkpoint being written (skyrl_core.directories publishes it when whole)
 
 
 class TinkerService:
