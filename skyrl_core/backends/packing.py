@@ -49,12 +49,24 @@ def row_lengths(batch: TrainingBatch) -> tuple[list[int], list[int]]:
     return batch.attention_mask[:, :P].sum(-1).tolist(), batch.attention_mask[:, P:].sum(-1).tolist()
 
 
-def plan_micro_batches(batch: TrainingBatch, *, max_rows: int, max_tokens: int | None = None) -> list[list[int]]:
+def plan_micro_batches(batch: TrainingBatch, *, max_rows: int, max_tokens: int | None = None,
+                       prompt_pair_cost: float | None = None) -> list[list[int]]:
     """Row indices of each micro-batch of ``batch``: rows sorted by (response, prompt) length (a stable
     order, so the plan depends only on the batch), packed while the micro-batch has at most
-    ``max_rows`` rows and, when ``max_tokens`` is set, at most that many padded positions."""
+    ``max_rows`` rows and, when ``max_tokens`` is set, at most that many padded positions.
+
+    ``prompt_pair_cost`` (the model's ``token_cost_in_pairs``; None: rows apart): where rows share a
+    prompt and one sequence costs less (``skyrl_core.ops.shared_prompts.sharing_groups``), the rows
+    of one prompt stay together (up to ``max_rows`` a micro-batch), to be computed as one sequence;
+    positions count the packed form."""
     if max_rows < 1 or (max_tokens is not None and max_tokens < 1):
         raise ValueError(f"micro-batch caps must be >= 1; got max_rows={max_rows!r}, max_tokens={max_tokens!r}")
+    if prompt_pair_cost is not None and max_rows > 1:
+        from skyrl_core.ops.shared_prompts import sharing_groups
+
+        groups = sharing_groups(batch.input_ids, batch.attention_mask, batch.prompt_len, prompt_pair_cost)
+        if any(len(group) > 1 for group in groups):  # (else nothing is shared: the rows' plan)
+            return _plan_prompt_groups(batch, groups, max_rows, max_tokens)
     prompt_lens, response_lens = row_lengths(batch)
     order = sorted(range(len(batch)), key=lambda i: (response_lens[i], prompt_lens[i]))
     plan: list[list[int]] = []
@@ -70,6 +82,39 @@ def plan_micro_batches(batch: TrainingBatch, *, max_rows: int, max_tokens: int |
         longest_prompt, longest_response = p, r
     if current:
         plan.append(current)
+    return plan
+
+
+def _plan_prompt_groups(batch: TrainingBatch, groups: list[list[int]], max_rows: int, max_tokens: int | None) -> list[list[int]]:
+    """Micro-batches of whole prompt groups (a group of more than ``max_rows`` rows or ``max_tokens``
+    packed positions in parts, a row at least): units sorted
+    by packed length (prompt + its responses), packed while at most ``max_rows`` rows and at most
+    ``max_tokens`` positions (units x the longest unit's packed length)."""
+    prompt_lens, response_lens = row_lengths(batch)
+    units = []
+    for group in groups:
+        unit: list[int] = []
+        for i in sorted(group, key=lambda i: response_lens[i]):
+            packed = prompt_lens[i] + sum(response_lens[j] for j in unit) + response_lens[i]
+            if unit and (len(unit) == max_rows or (max_tokens is not None and packed > max_tokens)):
+                units.append(unit)
+                unit = []
+            unit.append(i)
+        units.append(unit)
+    length = {id(u): prompt_lens[u[0]] + max(1, sum(response_lens[i] for i in u)) for u in units}
+    units.sort(key=lambda u: (length[id(u)], u[0]))
+    plan: list[list[int]] = []
+    current: list[list[int]] = []
+    for unit in units:
+        rows = sum(map(len, current)) + len(unit)
+        longest = max([length[id(u)] for u in current] + [length[id(unit)]])
+        fits = rows <= max_rows and (max_tokens is None or (len(current) + 1) * longest <= max_tokens)
+        if current and not fits:
+            plan.append([i for u in current for i in u])
+            current = []
+        current.append(unit)
+    if current:
+        plan.append([i for u in current for i in u])
     return plan
 
 

@@ -8,7 +8,7 @@ import torch
 
 from skyrl_core.algorithms.reductions import reduction_weights
 from skyrl_core.rollout import TrainingSample, build_training_batch
-from skyrl_core.backends.packing import combine_micro_metrics, padded_tokens, plan_micro_batches, scatter_rows, trim
+from skyrl_core.backends.packing import combine_micro_metrics, padded_tokens, plan_micro_batches, row_lengths, scatter_rows, trim
 
 PAD = 99
 
@@ -97,3 +97,47 @@ def test_micro_metrics_are_reduced_once_by_rule() -> None:
     out = combine_micro_metrics(records)
     assert out == {"loss": 1.5, "ratio_max": 2.0, "ratio_min": 0.2, "kl": (0.1 * 3 + 0.4) / 4}
     assert combine_micro_metrics([({"kl": 1.0}, 0.0), ({"kl": 3.0}, 0.0)]) == {"kl": 2.0}
+
+
+def _grouped(prompt_lens, responses_per_prompt):
+    """Rows of prompts of ``prompt_lens`` tokens, ``responses_per_prompt[p]`` response lengths each,
+    the prompts' rows interleaved (as a batch of several groups comes)."""
+    from skyrl_core.testing.backend_contract import make_batch
+
+    rows = [(p, n) for p, lengths in enumerate(responses_per_prompt) for n in lengths]
+    rows = rows[::2] + rows[1::2]
+    prompts = [list(range(1 + 10 * p, 1 + 10 * p + prompt_lens[p])) for p, _ in rows]
+    return make_batch(prompts, [[7] * n for _, n in rows]), [p for p, _ in rows]
+
+
+def test_shared_prompt_plans_keep_a_prompts_rows_together_within_both_caps() -> None:
+    batch, prompt_of = _grouped((4, 6, 3), ((2, 5, 1, 3), (4, 4), (1, 2, 2, 6, 3)))
+    plan = plan_micro_batches(batch, max_rows=4, max_tokens=40, prompt_pair_cost=1e6)
+    assert sorted(r for rows in plan for r in rows) == list(range(len(batch)))
+    _, response_lens = row_lengths(batch)
+    for rows in plan:
+        assert len(rows) <= 4
+        units = {}
+        for r in rows:
+            units.setdefault(prompt_of[r], []).append(r)
+        packed = [(4, 6, 3)[p] + sum(response_lens[r] for r in group) for p, group in units.items()]
+        assert len(units) * max(packed) <= 40
+    # the five rows of prompt 2 exceed 4 rows: two parts; prompts 0 and 1 stay whole
+    parts = [{prompt_of[r] for r in rows} for rows in plan]
+    assert sum(2 in p for p in parts) == 2 and sum(0 in p for p in parts) == 1 and sum(1 in p for p in parts) == 1
+    # negative control: the row plan sorts by length and splits every prompt's rows
+    row_plan = plan_micro_batches(batch, max_rows=4, max_tokens=40)
+    assert sum(0 in {prompt_of[r] for r in rows} for rows in row_plan) > 1
+
+
+def test_a_prompt_group_cheaper_as_rows_is_planned_as_rows() -> None:
+    batch, _ = _grouped((2,), ((30, 30, 30),))  # long responses behind a short prompt
+    assert plan_micro_batches(batch, max_rows=2, prompt_pair_cost=100.0) == plan_micro_batches(batch, max_rows=2)
+
+
+def test_a_prompt_group_longer_than_the_token_budget_is_cut_but_never_a_row() -> None:
+    batch, _ = _grouped((5,), ((6, 6, 6, 6),))
+    plan = plan_micro_batches(batch, max_rows=8, max_tokens=17, prompt_pair_cost=1e6)
+    assert [len(rows) for rows in plan] == [2, 2]  # 5 + 6 + 6 = 17 fits, a third response would not
+    alone = plan_micro_batches(batch, max_rows=8, max_tokens=3, prompt_pair_cost=1e6)
+    assert [len(rows) for rows in alone] == [1, 1, 1, 1]

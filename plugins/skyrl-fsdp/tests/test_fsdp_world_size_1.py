@@ -297,3 +297,54 @@ def test_one_rank_reduces_its_gradients_without_dividing_them_and_with_the_same_
 def test_a_call_that_fails_part_way_adds_no_gradient(batch, accumulating):
     """(the first micro-batch's gradients already reduced into the shards)"""
     check_a_failing_call_adds_no_gradient(backend, batch, accumulating)
+
+
+def _grouped_batch():
+    """Three prompts with 3, 2 and 3 responses each (rows interleaved), as GRPO groups come."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 512, (n,), generator=g).tolist() for n in (6, 3, 8)]
+    rows = [0, 1, 2, 0, 2, 1, 0, 2]
+    responses = [torch.randint(1, 512, (n,), generator=g).tolist() for n in (4, 2, 5, 1, 3, 6, 2, 4)]
+    return make_batch([prompts[p] for p in rows], responses)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_rows_of_one_prompt_are_computed_as_one_sequence_with_the_same_update(precision, monkeypatch):
+    """``share_prompts``: each prompt's rows go in one micro-batch and one packed sequence (counted),
+    with the logprobs, loss, gradient norm and updated function of rows computed apart (fp32 within
+    rounding; bf16 within bf16's)."""
+    import skyrl_fsdp.rank as rank_module
+
+    batch = _grouped_batch()
+    shared_calls = []
+    real = rank_module.shared_prompt_logprobs
+
+    def counted(model, input_ids, *args, **kwargs):
+        shared_calls.append(tuple(input_ids.shape))
+        return real(model, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(rank_module, "shared_prompt_logprobs", counted)
+
+    def run(share):
+        shared_calls.clear()
+        trainer = TrainerConfig(lr=3e-3, micro_batch_size=4)
+        with FSDPBackend(MODEL, FSDPOptions(device="cpu", mixed_precision=precision, share_prompts=share), trainer=trainer) as fsdp:
+            scored = fsdp.forward(batch)
+            metrics = {**fsdp.forward_backward(batch, mean_logprob_loss), **fsdp.optim_step()}
+            return scored, metrics, fsdp.forward(batch), list(shared_calls)
+
+    apart, shared = run(False), run(True)
+    assert apart[3] == []
+    # prompt 1's two rows, prompt 0's three, prompt 2's three (4 rows a pass at most): 3 passes a
+    # call, 3 calls
+    assert len(shared[3]) == 9 and all(rows <= 4 for rows, _ in shared[3]), shared[3]
+    tolerance = 1e-5 if precision == "fp32" else 0.1
+    real_tokens = batch.attention_mask[:, batch.prompt_len:].bool()
+    assert (shared[0] - apart[0])[real_tokens].abs().max().item() < tolerance
+    assert shared[1]["loss"] == pytest.approx(apart[1]["loss"], abs=tolerance)
+    assert shared[1]["grad_norm"] == pytest.approx(apart[1]["grad_norm"], rel=1e-4 if precision == "fp32" else 0.05)
+    # after the update (Adam: a near-zero gradient's rounding can flip an element's step, so the
+    # updated function is compared, not every weight)
+    after = 1e-3 if precision == "fp32" else 0.2
+    assert (apart[2] - apart[0])[real_tokens].abs().max().item() > 2 * after  # the step moved them
+    assert (shared[2] - apart[2])[real_tokens].abs().max().item() < after, (shared[2] - apart[2]).abs().max()

@@ -61,6 +61,7 @@ class FSDPBackend(RankDriver):
         self.trainer = trainer or TrainerConfig()
         self.world_size = options.world_size
         self._use_gpu = wants_gpu(options.device)
+        self._prompt_pair_cost: float | None = None
         if self.world_size == 1:
             self._local = FSDPRank(model, options, self.trainer, seed=seed)
         else:
@@ -83,7 +84,11 @@ class FSDPBackend(RankDriver):
     def _split(self, batch: TrainingBatch) -> list[tuple[TrainingBatch, list[list[int]], int, TrainingBatch | None]]:
         """Per-rank ``(rows, micro-batch plan, micro-batches every rank runs, filler)`` arguments."""
         parts = split_rows(batch, self.world_size)
-        plans = [plan_micro_batches(part, max_rows=self.trainer.micro_batch_size, max_tokens=self.trainer.micro_batch_tokens)
+        if self._prompt_pair_cost is None:  # the ranks' model and op sites decide (0: rows apart)
+            self._prompt_pair_cost = float(self._call("prompt_pair_cost")[0])
+        sharing = self._prompt_pair_cost or None
+        plans = [plan_micro_batches(part, max_rows=self.trainer.micro_batch_size, max_tokens=self.trainer.micro_batch_tokens,
+                                    prompt_pair_cost=sharing if part.position_ids is None else None)
                  if len(part) else [] for part in parts]
         num_micro = max(len(plan) for plan in plans)
         filler = batch.select([0]) if any(len(plan) < num_micro for plan in plans) else None

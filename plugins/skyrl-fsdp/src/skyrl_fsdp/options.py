@@ -87,6 +87,16 @@ class FSDPOptions:
             "the call) instead of gathering per micro-batch, once or twice"
         },
     )
+    share_prompts: bool = attrs.field(
+        default=True,
+        validator=boolean,
+        metadata={
+            "help": "rows with the same prompt (a GRPO group) go in one micro-batch and are computed as one sequence, "
+            "the prompt once, each response seeing the prompt and itself (skyrl_core.ops.shared_prompts; same "
+            "function, rounding aside). Only under the model's own attention: a plugin's attention (IsoExec) "
+            "keeps rows apart"
+        },
+    )
     reuse_workers: bool = attrs.field(
         default=False,
         metadata={

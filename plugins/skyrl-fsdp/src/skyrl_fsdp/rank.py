@@ -45,6 +45,13 @@ from skyrl_core.rng_state import capture_rng_state, restore_rng_state
 from skyrl_core.state_file import load_state, save_state
 from skyrl_core.ops import prepare_model, site_scope
 from skyrl_core.ops.chunked_logprobs import response_logprobs
+from skyrl_core.ops.shared_prompts import (
+    applicable as sharing_applies,
+    model_allows_sharing,
+    prompt_sharing_allowed,
+    shared_prompt_logprobs,
+    token_cost_in_pairs,
+)
 from skyrl_core.types import OptimizerHyperparams, TrainingBatch
 from skyrl_fsdp.gathered import gathered_for_call
 from skyrl_fsdp.hf_io import read_hf_weights, tied_aliases, write_hf_dir
@@ -133,6 +140,9 @@ class FSDPRank:
         defaults = linear_defaults(options.cpu_gemm, compute_dtype or torch.float32, self.device.type)
         self.ledger = prepare_model(self.model, "trainer", compute_dtype=compute_dtype, defaults=defaults)
         self.aliases = tied_aliases(self.model)
+        self.shares_prompts = (options.share_prompts and model_allows_sharing(self.model)
+                               and prompt_sharing_allowed(self.ledger, ("trainer_score", "trainer_forward")))
+        self.pair_cost = token_cost_in_pairs(self.model) if self.shares_prompts else 0.0
         if options.lora is not None:  # after the op sites: the adapter's own small products stay stock
             apply_lora(self.model, options.lora, seed)
         if trainer.activation_checkpointing:
@@ -189,12 +199,25 @@ class FSDPRank:
         self, batch: TrainingBatch, temperature: float, with_entropy: bool, where: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logprobs ``[B, R]`` of the response tokens where ``where`` is true (0 elsewhere), and their
-        entropy if asked; logits exist ``trainer.logprob_chunk_tokens`` positions at a time."""
+        entropy if asked; logits exist ``trainer.logprob_chunk_tokens`` positions at a time. Rows that
+        share a prompt compute it once (``options.share_prompts``)."""
+        if (self.shares_prompts and batch.position_ids is None
+                and sharing_applies(batch.input_ids, batch.attention_mask, batch.prompt_len, where, self.pair_cost)):
+            return shared_prompt_logprobs(
+                self.model, batch.input_ids, batch.attention_mask, batch.response_len, where, ledger=self.ledger,
+                temperature=temperature, chunk_tokens=self.trainer.logprob_chunk_tokens, with_entropy=with_entropy,
+                pair_cost=self.pair_cost,
+            )
         return response_logprobs(
             self.model, batch.input_ids, batch.attention_mask, batch.response_len, where, ledger=self.ledger,
             temperature=temperature, chunk_tokens=self.trainer.logprob_chunk_tokens, with_entropy=with_entropy,
             position_ids=batch.position_ids,
         )
+
+    def prompt_pair_cost(self) -> float:
+        """0.0 when this rank computes rows apart; else the model's ``token_cost_in_pairs``, with which
+        the driver plans micro-batches of whole prompt groups."""
+        return self.pair_cost
 
     def forward(
         self, part: TrainingBatch, temperature: float, plan: list[list[int]], num_micro: int, filler: TrainingBatch | None

@@ -1,0 +1,231 @@
+"""Rows that share a prompt computed with the prompt once: one packed sequence per prompt.
+
+GRPO samples ``n`` responses per prompt, so a training micro-batch holds the same prompt up to
+``n`` times, and the prompt is most of each row (an RL step on SmolLM2: 46 prompt tokens, 22
+response tokens). Here the rows of one prompt become one sequence: the prompt, then every
+response, each response seeing the prompt and itself only (a boolean mask; positions continue
+from the prompt's end in every response, as in the row alone). Each response token's logprob is
+read from the hidden state that predicts it: the prompt's last position for a response's first
+token, the response's previous token otherwise. Backward sums the responses' gradients into the
+one copy of the prompt's activations, which is what it does over the row copies too.
+
+The function a row computes is unchanged; the products' shapes are not, so the bits agree with
+row-at-a-time scoring within rounding, as any other batching does with stock kernels. An
+attention implementation a plugin installs may promise bits that depend on where the keys sit
+(IsoExec's canonical attention reduces over a fixed key layout), so ``applicable`` takes this
+path only under the model's own attention, and only for models of full causal attention
+(``model_allows_sharing``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+
+from skyrl_core.ops.chunked_logprobs import DEFAULT_CHUNK_TOKENS, _head_replaced, chunked_token_logprobs, output_head
+from skyrl_core.ops.hf import ATTENTION_NAME as OP_SITES_ATTENTION
+from skyrl_core.ops.ledger import OpLedger
+from skyrl_core.ops.short_attention import ATTENTION_NAME as SHORT_ATTENTION
+from skyrl_core.ops.stock import is_stock
+
+
+def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int) -> list[list[int]]:
+    """Row indices grouped by identical real prompt tokens, groups in order of first row."""
+    real = attention_mask[:, :prompt_len].bool()
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for row in range(input_ids.shape[0]):
+        groups.setdefault(tuple(input_ids[row, :prompt_len][real[row]].tolist()), []).append(row)
+    return list(groups.values())
+
+
+def prompt_sharing_allowed(ledger: OpLedger | None, sites: tuple[str, ...]) -> bool:
+    """Whether the attention installed at every one of ``sites`` is the model's own (stock)."""
+    return ledger is None or all(is_stock(ledger.impl("attention", site)) for site in sites)
+
+
+# How each attention implementation takes a custom 4D mask (transformers passes one on as given):
+# sdpa, the short CPU attention and the op sites' dispatch a boolean "may attend", eager an
+# additive float mask.
+_MASK_FORMS = {"sdpa": "bool", SHORT_ATTENTION: "bool", OP_SITES_ATTENTION: "bool", "eager": "additive"}
+
+
+def _mask_for(model: Any, visible: torch.Tensor) -> torch.Tensor:
+    config = getattr(model.config, "text_config", None) or model.config
+    if _MASK_FORMS[config._attn_implementation] == "bool":
+        return visible
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, torch.finfo(dtype).min)
+
+
+def model_allows_sharing(model: Any) -> bool:
+    """Whether every layer of ``model`` attends with full causal attention, the one kind whose
+    meaning a mask over a packed sequence keeps (no sliding window, no linear-attention or recurrent
+    layer: their state would run from one response into the next), through an implementation that
+    takes a custom mask (sdpa, eager)."""
+    config = getattr(model, "config", None)
+    config = getattr(config, "text_config", None) or config
+    if config is None:
+        return False
+    if getattr(config, "_attn_implementation", None) not in _MASK_FORMS:
+        return False  # (flash-attention kernels take no custom mask)
+    layer_types = getattr(config, "layer_types", None) or ()
+    if any(kind != "full_attention" for kind in layer_types):
+        return False
+    return getattr(config, "sliding_window", None) is None or getattr(config, "use_sliding_window", True) is False
+
+
+def token_cost_in_pairs(model: Any) -> float:
+    """How many attention query-key pairs cost what one token's products in a decoder layer do:
+    ``(q, k, v, o projections + MLP) / (scores + weighted sum)`` in FLOPs (3072 for SmolLM2)."""
+    config = getattr(model.config, "text_config", None) or model.config
+    hidden = config.hidden_size
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
+    products = hidden * (2 * heads * head_dim + 2 * kv * head_dim) + 3 * hidden * intermediate
+    return products / (2 * heads * head_dim)
+
+
+def worth_sharing(prompt_len: int, response_lens: list[int], pair_cost: float) -> bool:
+    """Whether one sequence for a prompt's rows costs less than the rows: it saves the prompt's
+    products for every row but one, and its attention covers the whole packed square (the masked
+    pairs between responses included) where the rows cover their own squares. Long responses
+    behind a short prompt are cheaper as rows."""
+    packed = prompt_len + sum(response_lens)
+    extra_pairs = packed * packed - sum((prompt_len + n) ** 2 for n in response_lens)
+    return len(response_lens) > 1 and (len(response_lens) - 1) * prompt_len * pair_cost > extra_pairs
+
+
+def sharing_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, pair_cost: float) -> list[list[int]]:
+    """``prompt_groups``, with a group that is cheaper as rows (``worth_sharing``) split into rows."""
+    mask = attention_mask.bool()
+    prompt_lens = mask[:, :prompt_len].sum(-1).tolist()
+    response_lens = mask[:, prompt_len:].sum(-1).tolist()
+    out: list[list[int]] = []
+    for group in prompt_groups(input_ids, attention_mask, prompt_len):
+        if worth_sharing(prompt_lens[group[0]], [response_lens[r] for r in group], pair_cost):
+            out.append(group)
+        else:
+            out.extend([row] for row in group)
+    return out
+
+
+def applicable(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, where: torch.Tensor,
+               pair_cost: float) -> bool:
+    """Whether sharing applies to a batch and saves work: a group of rows shares a prompt and is
+    worth computing as one sequence (``worth_sharing``), every prompt has a token, and every
+    position to score is a real response token (right-padded responses starting at the prompt's
+    end). The caller checks ``prompt_sharing_allowed``."""
+    mask = attention_mask.bool()
+    response = mask[:, prompt_len:]
+    if not bool(mask[:, :prompt_len].any(-1).all()) or bool((where.bool() & ~response).any()):
+        return False
+    lengths = response.sum(-1, keepdim=True)
+    columns = torch.arange(response.shape[1])
+    if not bool((response == (columns[None, :] < lengths)).all()):  # responses start at the prompt's end
+        return False
+    return any(len(g) > 1 for g in sharing_groups(input_ids, attention_mask, prompt_len, pair_cost))
+
+
+@attrs.frozen
+class SharedPromptLayout:
+    """The packed form of a ``[B, P + R]`` batch: ``input_ids``, ``position_ids`` ``[G, T]`` (one
+    sequence per prompt), ``visible`` ``[G, 1, T, T]``, and, for every response position ``[B, R]``
+    in row-major order, the flat index (into ``G * T``) of the hidden state that predicts it
+    (``predictor``, -1 on padding)."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    visible: torch.Tensor
+    predictor: torch.Tensor
+
+
+def pack_shared_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
+                        groups: list[list[int]], pad_token_id: int = 0) -> SharedPromptLayout:
+    P = prompt_len
+    B, total = input_ids.shape
+    R = total - P
+    mask = attention_mask.bool()
+    prompt_lens = mask[:, :P].sum(-1).tolist()
+    response_lens = mask[:, P:].sum(-1).tolist()
+    sequences, positions, segments = [], [], []
+    predictor = torch.full((B, R), -1, dtype=torch.long)
+    for g, rows in enumerate(groups):
+        first = rows[0]
+        prompt = input_ids[first, P - prompt_lens[first]:P]
+        tokens, pos, seg = [prompt], [torch.arange(len(prompt))], [torch.zeros(len(prompt), dtype=torch.long)]
+        offset = len(prompt)
+        for i, row in enumerate(rows, start=1):
+            n = response_lens[row]
+            tokens.append(input_ids[row, P:P + n])
+            pos.append(torch.arange(len(prompt), len(prompt) + n))
+            seg.append(torch.full((n,), i, dtype=torch.long))
+            if n:  # token 0 is predicted by the prompt's last position, token j by the response's j - 1
+                predictor[row, 0] = len(prompt) - 1
+                predictor[row, 1:n] = torch.arange(offset, offset + n - 1)
+            offset += n
+        sequences.append(torch.cat(tokens))
+        positions.append(torch.cat(pos))
+        segments.append(torch.cat(seg))
+    T = max(len(s) for s in sequences)
+    G = len(groups)
+    packed_ids = torch.full((G, T), pad_token_id, dtype=input_ids.dtype)
+    packed_pos = torch.zeros((G, T), dtype=torch.long)
+    packed_seg = torch.full((G, T), -1, dtype=torch.long)
+    for g, (s, p, k) in enumerate(zip(sequences, positions, segments)):
+        packed_ids[g, :len(s)], packed_pos[g, :len(s)], packed_seg[g, :len(s)] = s, p, k
+    for g, rows in enumerate(groups):
+        for row in rows:
+            where_real = predictor[row] >= 0
+            predictor[row][where_real] += g * T
+    query, key = packed_seg[:, :, None], packed_seg[:, None, :]
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    visible = causal[None] & (key >= 0) & ((key == 0) | (key == query))
+    visible |= torch.eye(T, dtype=torch.bool)[None] & (query < 0)  # padding sees itself (no empty row)
+    return SharedPromptLayout(packed_ids.to(input_ids.device), packed_pos.to(input_ids.device),
+                              visible[:, None].to(input_ids.device), predictor.to(input_ids.device))
+
+
+def shared_prompt_logprobs(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_len: int,
+    where: torch.Tensor,
+    *,
+    ledger: OpLedger | None = None,
+    temperature: float = 1.0,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    with_entropy: bool = False,
+    pair_cost: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``response_logprobs``'s result (logprobs ``[B, R]``, fp32, 0 where ``where`` is false; the
+    entropy when asked) with each shared prompt computed once where that is cheaper
+    (``sharing_groups``; ``pair_cost`` defaults to the model's ``token_cost_in_pairs``). The
+    caller checks ``applicable`` and ``prompt_sharing_allowed``."""
+    R = response_len
+    P = input_ids.shape[1] - R
+    where = where.bool()
+    cost = token_cost_in_pairs(model) if pair_cost is None else pair_cost
+    layout = pack_shared_prompts(input_ids, attention_mask, P, sharing_groups(input_ids, attention_mask, P, cost))
+    head = output_head(model)
+    index = layout.predictor[where]
+    targets = input_ids[:, P:][where]
+
+    def score(hidden: torch.Tensor) -> torch.Tensor:
+        chosen = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)
+        logprobs, entropy = chunked_token_logprobs(chosen, head, targets, ledger=ledger, temperature=temperature,
+                                                   chunk_tokens=chunk_tokens, with_entropy=with_entropy)
+        zeros = torch.zeros(where.shape, dtype=torch.float32, device=hidden.device)
+        parts = [zeros.masked_scatter(where, logprobs)]
+        if with_entropy:
+            parts.append(zeros.masked_scatter(where, entropy))
+        return torch.stack(parts)
+
+    with _head_replaced(model, score):
+        scored = model(input_ids=layout.input_ids, attention_mask=_mask_for(model, layout.visible), position_ids=layout.position_ids,
+                       use_cache=False).logits
+    return scored[0], (scored[1] if with_entropy else None)
