@@ -26,8 +26,10 @@ Beside the times: this machine's limit for the same work (``benchmarks/_roofline
 this run before the blocks and after them, best kept): the GEMM FLOPs of one step (sampling 64
 responses, then forward and backward over the 64 sequences; response lengths as skyrl's runs
 sampled them), the fastest measured rate of each product's shape in fp32 and bf16, hence each
-dtype's floor, and the fraction of that peak each side reached. The CPU and the GEMM libraries are
-printed with the result.
+dtype's floor, and the fraction of that peak each side reached. skyrl trains each prompt once for
+its 8 rows (``backend.options.share_prompts``): its work is smaller than TRL's, so it is also
+printed against the floor of its own work. The CPU and the GEMM libraries are printed with the
+result.
 
 The last lines: median step times, the fp32 ratio skyrl / TRL, the bf16 ratio (skyrl bf16 / TRL in
 its fastest setting), and the targets: skyrl's fp32 step <= 1.2x the fp32 floor, skyrl's bf16 step
@@ -277,16 +279,19 @@ def _prompt_tokens(model_dir: str, rows: list[dict[str, Any]]) -> float:
     return statistics.mean(len(codec.render_prompt(row["prompt"])) for row in rows)
 
 
-def step_gemms(model_dir: str, prompt_mean: float, response_mean: float, response_max: float) -> list:
+def step_gemms(model_dir: str, prompt_mean: float, response_mean: float, response_max: float,
+               *, shared_prompts: bool = False) -> list:
     """The linear layers' products of one step: sampling 64 responses (prefill, then one decode step
     per token of the longest response), then forward and backward over the 64 sequences (logits on
-    the response positions)."""
+    the response positions). ``shared_prompts``: training computes each prompt once for its 8 rows
+    (what skyrl's FSDP backend does, ``backend.options.share_prompts``), not once per row (TRL)."""
     with open(os.path.join(model_dir, "config.json")) as f:
         config = json.load(f)
     rows = PROMPTS_PER_STEP * SAMPLES_PER_PROMPT
     prompt, response = round(rows * prompt_mean), round(rows * response_mean)
+    trained_prompt = round(PROMPTS_PER_STEP * prompt_mean) if shared_prompts else prompt
     return (generation_gemms(config, prompt, response, rows, max(1, round(response_max)))
-            + decoder_gemms(config, prompt + response, response, backward=True))
+            + decoder_gemms(config, trained_prompt + response, response, backward=True))
 
 
 def _compare(args: argparse.Namespace, work: str) -> None:
@@ -339,13 +344,22 @@ def _compare(args: argparse.Namespace, work: str) -> None:
     print(f"load after the blocks: {uptime()}")
     print(f"prompts {prompt_mean:.1f} tokens, responses {statistics.mean(responses['mean']):.1f} tokens on average "
           f"(skyrl's samples; TRL samples the same model); {roofline.summary()}")
+    # skyrl trains each prompt once for its rows: less work than the rows' (TRL's), with its own floor.
+    shared = Roofline(step_gemms(args.model_dir, prompt_mean, statistics.mean(responses["mean"]),
+                                 statistics.mean(responses["max"]), shared_prompts=True), threads=args.threads)
+    shared.rates.update(roofline.rates)
+    shared.measure()
+    print(f"skyrl's own work (each prompt trained once for its {SAMPLES_PER_PROMPT} rows): {shared.summary()}")
     medians = {key: statistics.median(values) for key, values in times.items()}
     for (side, dtype), seconds in sorted(medians.items()):
         print(roofline.achieved(f"{side:5s} {dtype:8s} median step", seconds, dtype))
+        if side == "skyrl":
+            print(shared.achieved(f"skyrl {dtype:8s} median step against its own work", seconds, dtype))
 
     skyrl32 = medians[("skyrl", "float32")]
     floor32 = roofline.floor("float32")
-    print(f"skyrl fp32 step / fp32 floor: {skyrl32 / floor32:.2f}x (target <= 1.2x)")
+    print(f"skyrl fp32 step / fp32 floor: {skyrl32 / floor32:.2f}x (target <= 1.2x; the floor of the rows' work, "
+          f"TRL's); {skyrl32 / shared.floor('float32'):.2f}x the floor of skyrl's own work")
     if problem is not None:
         print(f"TRL not measured: {problem}")
         print(f"median step time: skyrl {skyrl32:.2f} s, TRL not measured ({problem.split(':')[0]}); ratio n/a")

@@ -19,7 +19,7 @@ path only under the model's own attention, and only for models of full causal at
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import attrs
 import torch
@@ -113,6 +113,40 @@ def sharing_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt
     return out
 
 
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def _packed_cost(prefix: int, lengths: list[int], pair_cost: float) -> float:
+    """Products (in pairs) and attention pairs of one sequence: ``prefix`` once, each row's rest."""
+    packed = prefix + sum(n - prefix for n in lengths)
+    return packed * pair_cost + packed * packed
+
+
+def prefix_groups(rows: Sequence[Sequence[int]], pair_cost: float) -> list[tuple[list[int], int]]:
+    """Groups of ``rows`` (token sequences, in no particular order) computed as one sequence each,
+    with the length of the prefix they share: rows in lexicographic order, each joining the group
+    before it where one sequence over the prefix they all share costs less than the group and the
+    row apart (``_packed_cost``, ``worth_sharing``'s exchange rate). A row alone is a group with its
+    whole length as prefix. For data that do not mark their prompt (the Tinker API's datums)."""
+    tokens = [list(r) for r in rows]
+    order = sorted(range(len(tokens)), key=lambda i: tokens[i])
+    groups: list[tuple[list[int], int]] = []
+    for i in order:
+        if groups:
+            members, prefix = groups[-1]
+            common = min(prefix, _common_prefix(tokens[members[-1]], tokens[i]))
+            lengths = [len(tokens[m]) for m in members]
+            joined = _packed_cost(common, lengths + [len(tokens[i])], pair_cost)
+            apart = _packed_cost(prefix, lengths, pair_cost) + _packed_cost(len(tokens[i]), [len(tokens[i])], pair_cost)
+            if common > 0 and joined < apart:
+                groups[-1] = (members + [i], common)
+                continue
+        groups.append(([i], len(tokens[i])))
+    return groups
+
+
 def applicable(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, where: torch.Tensor,
                pair_cost: float) -> bool:
     """Whether sharing applies to a batch and saves work: a group of rows shares a prompt and is
@@ -131,62 +165,77 @@ def applicable(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len
 
 
 @attrs.frozen
-class SharedPromptLayout:
-    """The packed form of a ``[B, P + R]`` batch: ``input_ids``, ``position_ids`` ``[G, T]`` (one
-    sequence per prompt), ``visible`` ``[G, 1, T, T]``, and, for every response position ``[B, R]``
-    in row-major order, the flat index (into ``G * T``) of the hidden state that predicts it
-    (``predictor``, -1 on padding)."""
+class PackedRows:
+    """Rows packed one sequence per group, each group's shared prefix once: ``input_ids`` and
+    ``position_ids`` ``[G, T]``, ``visible`` ``[G, 1, T, T]`` (a suffix sees the prefix and itself;
+    padding sees itself only), and ``index`` ``[B, L]``: the flat position (into ``G * T``) that
+    holds token ``t`` of row ``b`` (-1 past the row's end)."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     visible: torch.Tensor
-    predictor: torch.Tensor
+    index: torch.Tensor
 
 
-def pack_shared_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
-                        groups: list[list[int]], pad_token_id: int = 0) -> SharedPromptLayout:
-    P = prompt_len
-    B, total = input_ids.shape
-    R = total - P
-    mask = attention_mask.bool()
-    prompt_lens = mask[:, :P].sum(-1).tolist()
-    response_lens = mask[:, P:].sum(-1).tolist()
+def pack_rows(rows: list[torch.Tensor], groups: list[list[int]], prefix_lens: list[int], pad_token_id: int = 0) -> PackedRows:
+    """``rows`` (each a 1-D tensor of real tokens) packed per group of ``groups``: the group's first
+    ``prefix_lens[g]`` tokens (the same in each of its rows) once, then each row's remaining tokens,
+    whose positions continue from the prefix's end as in the row alone."""
+    longest = max(len(r) for r in rows)
+    index = torch.full((len(rows), longest), -1, dtype=torch.long)
     sequences, positions, segments = [], [], []
-    predictor = torch.full((B, R), -1, dtype=torch.long)
-    for g, rows in enumerate(groups):
-        first = rows[0]
-        prompt = input_ids[first, P - prompt_lens[first]:P]
-        tokens, pos, seg = [prompt], [torch.arange(len(prompt))], [torch.zeros(len(prompt), dtype=torch.long)]
-        offset = len(prompt)
-        for i, row in enumerate(rows, start=1):
-            n = response_lens[row]
-            tokens.append(input_ids[row, P:P + n])
-            pos.append(torch.arange(len(prompt), len(prompt) + n))
+    for rows_of_group, prefix in zip(groups, prefix_lens):
+        tokens = [rows[rows_of_group[0]][:prefix]]
+        pos, seg = [torch.arange(prefix)], [torch.zeros(prefix, dtype=torch.long)]
+        offset = prefix
+        for i, row in enumerate(rows_of_group, start=1):
+            suffix = rows[row][prefix:]
+            n = len(suffix)
+            tokens.append(suffix)
+            pos.append(torch.arange(prefix, prefix + n))
             seg.append(torch.full((n,), i, dtype=torch.long))
-            if n:  # token 0 is predicted by the prompt's last position, token j by the response's j - 1
-                predictor[row, 0] = len(prompt) - 1
-                predictor[row, 1:n] = torch.arange(offset, offset + n - 1)
+            index[row, :prefix] = torch.arange(prefix)
+            index[row, prefix:prefix + n] = torch.arange(offset, offset + n)
             offset += n
         sequences.append(torch.cat(tokens))
         positions.append(torch.cat(pos))
         segments.append(torch.cat(seg))
     T = max(len(s) for s in sequences)
     G = len(groups)
-    packed_ids = torch.full((G, T), pad_token_id, dtype=input_ids.dtype)
+    packed_ids = torch.full((G, T), pad_token_id, dtype=rows[0].dtype)
     packed_pos = torch.zeros((G, T), dtype=torch.long)
     packed_seg = torch.full((G, T), -1, dtype=torch.long)
     for g, (s, p, k) in enumerate(zip(sequences, positions, segments)):
         packed_ids[g, :len(s)], packed_pos[g, :len(s)], packed_seg[g, :len(s)] = s, p, k
-    for g, rows in enumerate(groups):
-        for row in rows:
-            where_real = predictor[row] >= 0
-            predictor[row][where_real] += g * T
+    for g, rows_of_group in enumerate(groups):
+        for row in rows_of_group:
+            real = index[row] >= 0
+            index[row][real] += g * T
     query, key = packed_seg[:, :, None], packed_seg[:, None, :]
     causal = torch.ones(T, T, dtype=torch.bool).tril()
     visible = causal[None] & (key >= 0) & ((key == 0) | (key == query))
     visible |= torch.eye(T, dtype=torch.bool)[None] & (query < 0)  # padding sees itself (no empty row)
-    return SharedPromptLayout(packed_ids.to(input_ids.device), packed_pos.to(input_ids.device),
-                              visible[:, None].to(input_ids.device), predictor.to(input_ids.device))
+    return PackedRows(packed_ids, packed_pos, visible[:, None], index)
+
+
+def run_packed(model: Any, packed: PackedRows, consume: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``consume(hidden)`` for the final hidden states ``[G, T, H]`` of ``packed``, run in place of
+    the output embedding inside the model's forward (``chunked_logprobs.with_final_hidden``: hooks
+    on the model, FSDP's among them, still wrap it)."""
+    device = next(model.parameters()).device
+    with _head_replaced(model, consume):
+        return model(input_ids=packed.input_ids.to(device), attention_mask=_mask_for(model, packed.visible.to(device)),
+                     position_ids=packed.position_ids.to(device), use_cache=False).logits
+
+
+def pack_shared_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
+                        groups: list[list[int]], pad_token_id: int = 0) -> PackedRows:
+    """A ``[B, P + R]`` batch (left-padded prompts, right-padded responses) packed by ``groups`` of
+    rows sharing their prompt."""
+    mask = attention_mask.bool()
+    rows = [input_ids[b][mask[b]] for b in range(input_ids.shape[0])]
+    prompt_lens = mask[:, :prompt_len].sum(-1).tolist()
+    return pack_rows(rows, groups, [prompt_lens[g[0]] for g in groups], pad_token_id)
 
 
 def shared_prompt_logprobs(
@@ -210,9 +259,12 @@ def shared_prompt_logprobs(
     P = input_ids.shape[1] - R
     where = where.bool()
     cost = token_cost_in_pairs(model) if pair_cost is None else pair_cost
-    layout = pack_shared_prompts(input_ids, attention_mask, P, sharing_groups(input_ids, attention_mask, P, cost))
+    packed = pack_shared_prompts(input_ids, attention_mask, P, sharing_groups(input_ids, attention_mask, P, cost))
+    # response token j of row b is row token prompt_len_b + j, predicted by row token prompt_len_b + j - 1
+    prompt_lens = attention_mask[:, :P].sum(-1)
+    rows, columns = where.nonzero(as_tuple=True)
+    index = packed.index[rows.cpu(), (prompt_lens[rows] + columns - 1).cpu()].to(input_ids.device)
     head = output_head(model)
-    index = layout.predictor[where]
     targets = input_ids[:, P:][where]
 
     def score(hidden: torch.Tensor) -> torch.Tensor:
@@ -225,7 +277,5 @@ def shared_prompt_logprobs(
             parts.append(zeros.masked_scatter(where, entropy))
         return torch.stack(parts)
 
-    with _head_replaced(model, score):
-        scored = model(input_ids=layout.input_ids, attention_mask=_mask_for(model, layout.visible), position_ids=layout.position_ids,
-                       use_cache=False).logits
+    scored = run_packed(model, packed, score)
     return scored[0], (scored[1] if with_entropy else None)

@@ -105,23 +105,20 @@ def test_without_the_mask_the_responses_would_read_each_other():
     assert (masked[0, agree:agree + 3] - unmasked[0, agree:agree + 3]).abs().max().item() > 1e-3
 
 
-def test_every_response_token_is_read_from_the_position_that_predicts_it():
+def test_every_token_of_every_row_has_one_packed_position_at_its_own_position_id():
     batch, _ = _grouped_batch()
     P = batch.prompt_len
     layout = pack_shared_prompts(batch.input_ids, batch.attention_mask, P,
                                  prompt_groups(batch.input_ids, batch.attention_mask, P))
     flat_ids, flat_pos = layout.input_ids.reshape(-1), layout.position_ids.reshape(-1)
     for row in range(len(batch)):
-        prompt_len = int(batch.attention_mask[row, :P].sum())
-        n = int(batch.attention_mask[row, P:].sum())
-        index = layout.predictor[row, :n]
-        assert flat_pos[index].tolist() == list(range(prompt_len - 1, prompt_len + n - 1))
-        # the predicting position holds the row's previous token: its prompt's last, then its own
-        previous = [int(batch.input_ids[row, P - 1])] + batch.input_ids[row, P:P + n - 1].tolist()
-        assert flat_ids[index].tolist() == previous
-        assert (layout.predictor[row, n:] == -1).all()
-    # one sequence per prompt: 5 + (3+7+1), 9 + 4 (then padding), 2 + (6+2+5+1) positions
-    assert layout.input_ids.shape == (3, 16) and int((layout.visible[:, 0].diagonal(dim1=-2, dim2=-1)).sum()) == 3 * 16
+        tokens = batch.input_ids[row][batch.attention_mask[row].bool()]
+        index = layout.index[row, :len(tokens)]
+        assert flat_ids[index].tolist() == tokens.tolist()
+        assert flat_pos[index].tolist() == list(range(len(tokens)))
+        assert (layout.index[row, len(tokens):] == -1).all()
+    # a prompt's rows read its positions, not copies: 3 groups of 5 + (3+7+1), 9 + 4 and 2 + (6+2+5+1)
+    assert layout.input_ids.shape == (3, 16) and len(set(layout.index[layout.index >= 0].tolist())) == 16 + 13 + 16
 
 
 def test_a_prompt_is_shared_only_where_that_costs_less_than_the_rows():

@@ -462,3 +462,60 @@ def test_a_forward_backward_failing_in_its_second_pass_leaves_the_gradients_as_f
         assert same == guarded
         # and the adapter trains on afterwards
         trainer.forward_backward("a", data, "importance_sampling", None)
+
+
+def _rl_group_examples() -> list[Example]:
+    """Two prompts' samples, as an RL loop sends them: each datum is its prompt and one response,
+    the prompts' datums interleaved, loss weights on the responses."""
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(1, 256, size=n) for n in (12, 9)]
+    out = []
+    for index, length in enumerate((4, 7, 2, 5, 6, 3)):
+        prompt = prompts[index % 2]
+        full = np.concatenate([prompt, rng.integers(1, 256, size=length + 1)])
+        weights = np.zeros(len(full) - 1, dtype=np.float32)
+        weights[len(prompt) - 1:] = 1.0
+        out.append(Example(full[:-1].astype(np.int64), {
+            "target_tokens": full[1:].astype(np.int64),
+            "logprobs": -rng.random(len(full) - 1).astype(np.float32),
+            "advantages": (rng.normal() * weights).astype(np.float32),
+        }))
+    return out
+
+
+def test_data_that_share_a_prompt_are_computed_once_with_the_logprobs_and_gradients_of_each(tiny_model, monkeypatch):
+    """A batch of two prompts' samples: the prefix they share is computed once per prompt (counted),
+    every position's logprob (prompt positions included, which the API returns) and the adapter's
+    gradients are those of the data computed apart within fp32 rounding."""
+    import skyrl_tinker.trainer as trainer_module
+
+    packed_calls = []
+    real = trainer_module.run_packed
+    monkeypatch.setattr(trainer_module, "run_packed", lambda model, packed, consume: (
+        packed_calls.append(tuple(packed.input_ids.shape)), real(model, packed, consume))[1])
+
+    def run(sharing: bool):
+        trainer = LoraTrainer(tiny_model)
+        if not sharing:
+            trainer.pair_cost = None
+        trainer.create("a", rank=4, alpha=32.0, groups=("attn", "mlp"), seed=1)
+        with torch.no_grad():
+            for name, p in trainer.model.named_parameters():
+                if ".lora_B." in name:
+                    p.copy_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+        logprobs, metrics = trainer.forward_backward("a", _rl_group_examples(), "importance_sampling", None)
+        grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+        return logprobs, metrics, grads
+
+    apart = run(False)
+    assert packed_calls == []
+    shared = run(True)
+    # one pass, one sequence per prompt: 12 + (4 + 2 + 6) and 9 + (7 + 5 + 3) positions
+    assert packed_calls == [(2, 24)]
+    for got, want in zip(shared[0], apart[0]):
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    assert shared[1]["loss:sum"] == pytest.approx(apart[1]["loss:sum"], abs=1e-5)
+    assert shared[2].keys() == apart[2].keys() and apart[2]
+    for name, grad in apart[2].items():
+        assert (shared[2][name] - grad).norm() <= 1e-5 * grad.norm() + 1e-8, name

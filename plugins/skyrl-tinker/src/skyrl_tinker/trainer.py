@@ -37,6 +37,14 @@ from skyrl_core.ops import prepare_model, site_scope, token_logprobs
 from skyrl_core.ops.chunked_logprobs import chunked_token_logprobs, output_head, with_final_hidden
 from skyrl_core.ops.install import DEFAULT_IMPLS
 from skyrl_core.ops.gemm_choice import CPU_GEMMS, linear_defaults
+from skyrl_core.ops.shared_prompts import (
+    model_allows_sharing,
+    pack_rows,
+    prefix_groups,
+    prompt_sharing_allowed,
+    run_packed,
+    token_cost_in_pairs,
+)
 from skyrl_core.trainer.memory_estimate import machine_memory_bytes
 from skyrl_tinker.losses import compute_loss
 
@@ -120,6 +128,11 @@ class LoraTrainer:
         # implementations than this runtime's own.
         self.merged_training = any(impl.name != defaults.get(op, DEFAULT_IMPLS[op]).name
                                    for (op, _), impl in self.ledger.declared.items())
+        # Data that begin alike (an RL batch's samples of one prompt) are computed as one sequence,
+        # the shared prefix once (``skyrl_core.ops.shared_prompts``), where the model's attention
+        # keeps its meaning that way and no op plugin (IsoExec) promises bits of a row layout.
+        sharing = model_allows_sharing(self.model) and prompt_sharing_allowed(self.ledger, ("trainer_forward", "trainer_score"))
+        self.pair_cost = token_cost_in_pairs(self.model) if sharing and not self.merged_training else None
         self.config = self.model.config.get_text_config()
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.logprob_chunk_tokens = max(1, LOGPROB_CHUNK_BYTES // (4 * self.vocab_size))
@@ -224,17 +237,37 @@ class LoraTrainer:
                 inputs[key][i, :n] = torch.from_numpy(value).to(inputs[key].dtype)
         return ids, mask, inputs
 
-    def _logprobs(self, ids: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """``[B, T]`` logprob of ``targets[:, i]`` given ``ids[:, :i + 1]`` (right padding: 0 there).
+    def _groups(self, ids: torch.Tensor, mask: torch.Tensor) -> list[tuple[list[int], int]] | None:
+        """The rows of a pass computed as one sequence each with their shared prefix
+        (``prefix_groups``), or None where every row is computed alone."""
+        if self.pair_cost is None or ids.shape[0] < 2:
+            return None
+        lengths = mask.sum(-1).long().tolist()
+        groups = prefix_groups([ids[b, :n].tolist() for b, n in enumerate(lengths)], self.pair_cost)
+        return groups if any(len(members) > 1 for members, _ in groups) else None
+
+    def _logprobs(self, ids: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor,
+                  groups: list[tuple[list[int], int]] | None = None) -> torch.Tensor:
+        """``[B, T]`` logprob of ``targets[:, i]`` given ``ids[:, :i + 1]`` (right padding: 0 there);
+        ``groups`` (``_groups``): each group's rows computed as one sequence, its prefix once.
 
         The output head and log-softmax run on the real positions only, ``logprob_chunk_tokens`` at
         a time (``skyrl_core.ops.chunked_logprobs``; under autograd each chunk is recomputed in
         backward), so a pass never holds ``[rows, length, vocabulary]`` logits or their gradient."""
         where = mask.bool()
         head = output_head(self.model)
+        packed = None
+        if groups is not None:
+            lengths = mask.sum(-1).long().tolist()
+            packed = pack_rows([ids[b, :n] for b, n in enumerate(lengths)], [m for m, _ in groups], [p for _, p in groups])
+            rows, columns = where.nonzero(as_tuple=True)
+            index = packed.index[rows, columns]
 
         def score(hidden: torch.Tensor) -> torch.Tensor:
-            kept, kept_targets = hidden[where], targets[where]
+            if packed is not None:
+                kept, kept_targets = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index), targets[where]
+            else:
+                kept, kept_targets = hidden[where], targets[where]
             if kept.shape[0] <= self.logprob_chunk_tokens:  # one chunk: kept for backward, not recomputed
                 logprobs = token_logprobs(head(kept), kept_targets, ledger=self.ledger)
             else:
@@ -242,6 +275,8 @@ class LoraTrainer:
                                                      chunk_tokens=self.logprob_chunk_tokens)
             return torch.zeros(where.shape, dtype=torch.float32).masked_scatter(where, logprobs.float())
 
+        if packed is not None:
+            return run_packed(self.model, packed, score)
         # (right padding: positions count from 0 in every row, and no real position sees a pad)
         return with_final_hidden(self.model, ids, mask.long(), ids.shape[1], score)
 
@@ -276,8 +311,13 @@ class LoraTrainer:
         datum each). The data go in order of length (a stable sort: the plan depends only on the
         lengths), so a pass pads its rows to a length close to theirs: an RL batch's responses vary
         (64 SmolLM2 data with 45-55 token prompts and 5-32 token responses: 8% fewer padded
-        positions than in the order sent, ``docs/benchmarks.md``)."""
+        positions than in the order sent, ``docs/benchmarks.md``). Data sharing a prefix (``_groups``)
+        go in a row, so that a pass computes their prefix once."""
         order = sorted(range(len(examples)), key=lambda i: len(examples[i].tokens))
+        if self.pair_cost is not None:  # data that share a prefix stay together, groups by length
+            groups = [members for members, _ in prefix_groups([e.tokens.tolist() for e in examples], self.pair_cost)]
+            groups.sort(key=lambda members: (max(len(examples[i].tokens) for i in members), members[0]))
+            order = [i for members in groups for i in sorted(members, key=lambda i: len(examples[i].tokens))]
         part: list[int] = []
         for i in order:  # ascending: the datum joining a pass is its longest
             if part and self.pass_bytes(len(part) + 1, len(examples[i].tokens)) > MICRO_BATCH_BYTES:
@@ -297,7 +337,12 @@ class LoraTrainer:
         for indices in self._micro_batches(examples):
             part = [examples[i] for i in indices]
             ids, mask, inputs = self._pad(part)
+            groups = self._groups(ids, mask)
             estimate = self.pass_bytes(*ids.shape)
+            if groups is not None:  # one sequence per group: fewer positions, a larger attention square
+                lengths = mask.sum(-1).long().tolist()
+                packed_length = max(p + sum(lengths[m] - p for m in members) for members, p in groups)
+                estimate = max(estimate, self.pass_bytes(len(groups), packed_length))
             largest = max(largest, estimate)
             # (one datum: _micro_batches puts no second datum in a pass this large)
             long_pass = estimate > self.checkpoint_above_bytes
@@ -308,7 +353,7 @@ class LoraTrainer:
                     scope.enter_context(own_maps_above(LONG_PASS_MMAP_MIB))
                     if backward:
                         scope.enter_context(checkpointed_layers(decoder_layers(self.model)))
-                logprobs = self._logprobs(ids, mask, inputs["target_tokens"])
+                logprobs = self._logprobs(ids, mask, inputs["target_tokens"], groups)
                 loss, metrics = compute_loss(loss_fn, loss_config, logprobs, inputs, mask)
                 if backward:
                     loss.backward()
