@@ -16,6 +16,7 @@ from skyrl_core.ops.shared_prompts import (
     applicable,
     model_allows_sharing,
     pack_shared_prompts,
+    prefix_groups,
     prompt_groups,
     prompt_sharing_allowed,
     shared_prompt_logprobs,
@@ -27,7 +28,7 @@ from skyrl_core.ops.stock import DEFAULT_IMPLS
 from skyrl_core.testing.backend_contract import TINY_QWEN3, make_batch
 
 VOCAB = TINY_QWEN3["vocab_size"]
-COST = 192.0  # token_cost_in_pairs of TINY_QWEN3: both groups of _grouped_batch are worth sharing
+COST = 48.0  # token_cost_in_pairs of TINY_QWEN3: both groups of _grouped_batch are worth sharing
 
 
 def _model(attention="sdpa"):
@@ -122,10 +123,16 @@ def test_every_token_of_every_row_has_one_packed_position_at_its_own_position_id
 
 
 def test_a_prompt_is_shared_only_where_that_costs_less_than_the_rows():
-    smollm2_cost = 3072.0  # SmolLM2-135M: 576 hidden, 9 heads and 3 key heads of 64, MLP 1536
+    smollm2_cost = 768.0  # SmolLM2-135M: 576 hidden, 9 heads and 3 key heads of 64, MLP 1536
     assert worth_sharing(46, [22] * 8, smollm2_cost)  # an RL step's group
     assert not worth_sharing(200, [1000] * 8, smollm2_cost)  # long responses: the packed square costs more
     assert not worth_sharing(46, [22], smollm2_cost)  # one row: nothing to share
+    assert not worth_sharing(4, [32] * 8, smollm2_cost)  # the Tinker benchmark's "a+b=": too little to save
+    # prefixes found without a prompt boundary: "a+b=" samples stay apart, long shared prompts join
+    short = [[1, 2, 3, 4] + [10 + i] * 32 for i in range(8)]
+    assert all(len(members) == 1 for members, _ in prefix_groups(short, smollm2_cost))
+    long = [list(range(1, 47)) + [100 + i] * 22 for i in range(8)] + [[7] * 30]
+    assert sorted((sorted(m), p) for m, p in prefix_groups(long, smollm2_cost)) == [([0, 1, 2, 3, 4, 5, 6, 7], 46), ([8], 30)]
 
 
 def test_sharing_applies_only_where_it_saves_work_and_keeps_the_meaning():

@@ -313,11 +313,10 @@ class LoraTrainer:
         (64 SmolLM2 data with 45-55 token prompts and 5-32 token responses: 8% fewer padded
         positions than in the order sent, ``docs/benchmarks.md``). Data sharing a prefix (``_groups``)
         go in a row, so that a pass computes their prefix once."""
+        if self.pair_cost is not None:
+            yield from self._shared_prefix_passes(examples)
+            return
         order = sorted(range(len(examples)), key=lambda i: len(examples[i].tokens))
-        if self.pair_cost is not None:  # data that share a prefix stay together, groups by length
-            groups = [members for members, _ in prefix_groups([e.tokens.tolist() for e in examples], self.pair_cost)]
-            groups.sort(key=lambda members: (max(len(examples[i].tokens) for i in members), members[0]))
-            order = [i for members in groups for i in sorted(members, key=lambda i: len(examples[i].tokens))]
         part: list[int] = []
         for i in order:  # ascending: the datum joining a pass is its longest
             if part and self.pass_bytes(len(part) + 1, len(examples[i].tokens)) > MICRO_BATCH_BYTES:
@@ -326,6 +325,32 @@ class LoraTrainer:
             part.append(i)
         if part:
             yield part
+
+    def _shared_prefix_passes(self, examples: Sequence[Example]) -> Iterator[list[int]]:
+        """Passes of whole prefix groups (``prefix_groups``), sized by their packed form: a group is
+        one sequence of its prefix and every datum's rest, so a pass of ``g`` groups holds ``g``
+        sequences of the longest one's length. A group too large for a pass is cut into parts (its
+        data in order of length), each computed as one sequence with the same prefix."""
+        tokens = [e.tokens.tolist() for e in examples]
+        units: list[tuple[list[int], int]] = []  # (data, packed length)
+        for members, prefix in prefix_groups(tokens, self.pair_cost):
+            part: list[int] = []
+            for i in sorted(members, key=lambda i: len(tokens[i])):
+                longer = prefix + sum(len(tokens[j]) - prefix for j in part + [i])
+                if part and self.pass_bytes(1, longer) > MICRO_BATCH_BYTES:
+                    units.append((part, prefix + sum(len(tokens[j]) - prefix for j in part)))
+                    part = []
+                part.append(i)
+            units.append((part, prefix + sum(len(tokens[j]) - prefix for j in part)))
+        units.sort(key=lambda unit: (unit[1], unit[0][0]))
+        current: list[tuple[list[int], int]] = []
+        for unit in units:  # ascending: the unit joining a pass is its longest
+            if current and self.pass_bytes(len(current) + 1, unit[1]) > MICRO_BATCH_BYTES:
+                yield [i for members, _ in current for i in members]
+                current = []
+            current.append(unit)
+        if current:
+            yield [i for members, _ in current for i in members]
 
     def _run(
         self, examples: Sequence[Example], loss_fn: str, loss_config: dict[str, Any] | None, *, backward: bool
