@@ -145,6 +145,23 @@ def chunked_token_logprobs(
     return logprobs, (torch.cat(entropy_parts).float() if with_entropy else None)
 
 
+def scored_positions(
+    hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor], targets: torch.Tensor, where: torch.Tensor,
+    *, ledger: OpLedger | None = None, temperature: float = 1.0, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    with_entropy: bool = False,
+) -> torch.Tensor:
+    """``[1, ...]`` (``[2, ...]`` with the entropy) of ``where``'s shape: the logprobs of ``targets``
+    under the hidden states ``hidden`` ``[N, H]`` of the ``N`` positions where ``where`` is true
+    (row-major), scattered there, 0 elsewhere (``chunked_token_logprobs``)."""
+    logprobs, entropy = chunked_token_logprobs(hidden, head, targets, ledger=ledger, temperature=temperature,
+                                               chunk_tokens=chunk_tokens, with_entropy=with_entropy)
+    zeros = torch.zeros(where.shape, dtype=torch.float32, device=hidden.device)
+    parts = [zeros.masked_scatter(where, logprobs)]
+    if with_entropy:
+        parts.append(zeros.masked_scatter(where, entropy))
+    return torch.stack(parts)
+
+
 def response_logprobs(
     model: Any,
     input_ids: torch.Tensor,
@@ -167,15 +184,8 @@ def response_logprobs(
 
     def score(hidden: torch.Tensor) -> torch.Tensor:
         hidden = hidden[:, :-1]  # position i predicts token i + 1
-        logprobs, entropy = chunked_token_logprobs(
-            hidden[where], head, input_ids[:, -R:][where], ledger=ledger, temperature=temperature,
-            chunk_tokens=chunk_tokens, with_entropy=with_entropy,
-        )
-        zeros = torch.zeros(where.shape, dtype=torch.float32, device=hidden.device)
-        parts = [zeros.masked_scatter(where, logprobs)]
-        if with_entropy:
-            parts.append(zeros.masked_scatter(where, entropy))
-        return torch.stack(parts)
+        return scored_positions(hidden[where], head, input_ids[:, -R:][where], where, ledger=ledger,
+                                temperature=temperature, chunk_tokens=chunk_tokens, with_entropy=with_entropy)
 
     scored = with_final_hidden(model, input_ids, attention_mask, R + 1, score, position_ids=position_ids)
     return scored[0], (scored[1] if with_entropy else None)

@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 import attrs
 import torch
 
-from skyrl_core.ops.chunked_logprobs import DEFAULT_CHUNK_TOKENS, _head_replaced, chunked_token_logprobs, output_head
+from skyrl_core.ops.chunked_logprobs import DEFAULT_CHUNK_TOKENS, _head_replaced, output_head, scored_positions
 from skyrl_core.ops.hf import ATTENTION_NAME as OP_SITES_ATTENTION
 from skyrl_core.ops.ledger import OpLedger
 from skyrl_core.ops.short_attention import ATTENTION_NAME as SHORT_ATTENTION
@@ -285,13 +285,8 @@ def shared_prompt_logprobs(
 
     def score(hidden: torch.Tensor) -> torch.Tensor:
         chosen = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)
-        logprobs, entropy = chunked_token_logprobs(chosen, head, targets, ledger=ledger, temperature=temperature,
-                                                   chunk_tokens=chunk_tokens, with_entropy=with_entropy)
-        zeros = torch.zeros(where.shape, dtype=torch.float32, device=hidden.device)
-        parts = [zeros.masked_scatter(where, logprobs)]
-        if with_entropy:
-            parts.append(zeros.masked_scatter(where, entropy))
-        return torch.stack(parts)
+        return scored_positions(chosen, head, targets, where, ledger=ledger, temperature=temperature,
+                                chunk_tokens=chunk_tokens, with_entropy=with_entropy)
 
     scored = run_packed(model, packed, score)
     return scored[0], (scored[1] if with_entropy else None)

@@ -21,13 +21,18 @@ def _examples() -> list[Example]:
     return out
 
 
-def _train(tiny_model: str, cpu_gemm: str) -> tuple[LoraTrainer, list[np.ndarray], dict[str, torch.Tensor]]:
-    trainer = LoraTrainer(tiny_model, cpu_gemm=cpu_gemm)
+def _with_adapter(trainer: LoraTrainer) -> LoraTrainer:
+    """``trainer`` with adapter "a", its B non-zero, so that the adapter's path computes something."""
     trainer.create("a", rank=4, alpha=32.0, groups=("attn", "mlp"), seed=1)
-    with torch.no_grad():  # a non-zero B, so that the adapter's path computes something
+    with torch.no_grad():
         for name, p in trainer.model.named_parameters():
             if ".lora_B." in name:
                 p.copy_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    return trainer
+
+
+def _train(tiny_model: str, cpu_gemm: str) -> tuple[LoraTrainer, list[np.ndarray], dict[str, torch.Tensor]]:
+    trainer = _with_adapter(LoraTrainer(tiny_model, cpu_gemm=cpu_gemm))
     logprobs, _ = trainer.forward_backward("a", _examples(), "importance_sampling", None)
     grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
     return trainer, logprobs, grads
@@ -498,11 +503,7 @@ def test_data_that_share_a_prompt_are_computed_once_with_the_logprobs_and_gradie
         trainer = LoraTrainer(tiny_model)
         if not sharing:
             trainer.pair_cost = None
-        trainer.create("a", rank=4, alpha=32.0, groups=("attn", "mlp"), seed=1)
-        with torch.no_grad():
-            for name, p in trainer.model.named_parameters():
-                if ".lora_B." in name:
-                    p.copy_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+        _with_adapter(trainer)
         logprobs, metrics = trainer.forward_backward("a", _rl_group_examples(), "importance_sampling", None)
         grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
         return logprobs, metrics, grads
