@@ -12,9 +12,9 @@ one copy of the prompt's activations, which is what it does over the row copies 
 The function a row computes is unchanged; the products' shapes are not, so the bits agree with
 row-at-a-time scoring within rounding, as any other batching does with stock kernels. An
 attention implementation a plugin installs may promise bits that depend on where the keys sit
-(IsoExec's canonical attention reduces over a fixed key layout), so ``applicable`` takes this
-path only under the model's own attention, and only for models of full causal attention
-(``model_allows_sharing``).
+(IsoExec's canonical attention reduces over a fixed key layout), so callers take this path only
+under the model's own attention (``prompt_sharing_allowed``), and only for models of full causal
+attention (``model_allows_sharing``).
 """
 
 from __future__ import annotations
@@ -163,21 +163,22 @@ def prefix_groups(rows: Sequence[Sequence[int]], pair_cost: float) -> list[tuple
     return groups
 
 
-def applicable(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, where: torch.Tensor,
-               pair_cost: float) -> bool:
-    """Whether sharing applies to a batch and saves work: a group of rows shares a prompt and is
-    worth computing as one sequence (``worth_sharing``), every prompt has a token, and every
-    position to score is a real response token (right-padded responses starting at the prompt's
-    end). The caller checks ``prompt_sharing_allowed``."""
+def groups_to_share(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, where: torch.Tensor,
+                    pair_cost: float) -> list[list[int]] | None:
+    """The groups ``shared_prompt_logprobs`` computes (``sharing_groups``), or None where sharing
+    does not apply or saves nothing: no group of two rows or more is worth one sequence, a prompt
+    has no token, or a position to score is not a real response token (responses right-padded from
+    the prompt's end). The caller checks ``prompt_sharing_allowed``."""
     mask = attention_mask.bool()
     response = mask[:, prompt_len:]
     if not bool(mask[:, :prompt_len].any(-1).all()) or bool((where.bool() & ~response).any()):
-        return False
+        return None
     lengths = response.sum(-1, keepdim=True)
-    columns = torch.arange(response.shape[1])
+    columns = torch.arange(response.shape[1], device=response.device)
     if not bool((response == (columns[None, :] < lengths)).all()):  # responses start at the prompt's end
-        return False
-    return any(len(g) > 1 for g in sharing_groups(input_ids, attention_mask, prompt_len, pair_cost))
+        return None
+    groups = sharing_groups(input_ids, attention_mask, prompt_len, pair_cost)
+    return groups if any(len(g) > 1 for g in groups) else None
 
 
 @attrs.frozen
@@ -265,17 +266,17 @@ def shared_prompt_logprobs(
     temperature: float = 1.0,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     with_entropy: bool = False,
-    pair_cost: float | None = None,
+    groups: list[list[int]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``response_logprobs``'s result (logprobs ``[B, R]``, fp32, 0 where ``where`` is false; the
-    entropy when asked) with each shared prompt computed once where that is cheaper
-    (``sharing_groups``; ``pair_cost`` defaults to the model's ``token_cost_in_pairs``). The
-    caller checks ``applicable`` and ``prompt_sharing_allowed``."""
+    entropy when asked) with each group of ``groups`` (rows sharing a prompt; default: those
+    ``groups_to_share`` gives at the model's ``token_cost_in_pairs``) computed as one sequence."""
     R = response_len
     P = input_ids.shape[1] - R
     where = where.bool()
-    cost = token_cost_in_pairs(model) if pair_cost is None else pair_cost
-    packed = pack_shared_prompts(input_ids, attention_mask, P, sharing_groups(input_ids, attention_mask, P, cost))
+    if groups is None:
+        groups = sharing_groups(input_ids, attention_mask, P, token_cost_in_pairs(model))
+    packed = pack_shared_prompts(input_ids, attention_mask, P, groups)
     # response token j of row b is row token prompt_len_b + j, predicted by row token prompt_len_b + j - 1
     prompt_lens = attention_mask[:, :P].sum(-1)
     rows, columns = where.nonzero(as_tuple=True)

@@ -13,14 +13,13 @@ from skyrl_core.models import load_causal_lm
 from skyrl_core.ops.chunked_logprobs import response_logprobs
 from skyrl_core.ops.ledger import OpLedger
 from skyrl_core.ops.shared_prompts import (
-    applicable,
+    groups_to_share,
     model_allows_sharing,
     pack_shared_prompts,
     prefix_groups,
     prompt_groups,
     prompt_sharing_allowed,
     shared_prompt_logprobs,
-    sharing_groups,
     token_cost_in_pairs,
     worth_sharing,
 )
@@ -65,13 +64,12 @@ def test_each_row_gets_the_logprobs_entropy_and_gradients_it_gets_alone(attentio
     where[0, 1] = False  # a response token the loss does not read stays 0
     model = _model(attention)
     assert token_cost_in_pairs(model) == COST
-    assert applicable(batch.input_ids, batch.attention_mask, batch.prompt_len, where, pair_cost or COST)
-    groups = sharing_groups(batch.input_ids, batch.attention_mask, batch.prompt_len, pair_cost or COST)
+    groups = groups_to_share(batch.input_ids, batch.attention_mask, batch.prompt_len, where, pair_cost or COST)
     assert groups == ([[0, 3, 5], [1], [2, 4, 6, 7]] if pair_cost is None else [[0, 3, 5], [1], [2], [4], [6], [7]])
 
     def run(fn):
         model.zero_grad()
-        extra = {"pair_cost": pair_cost} if fn is shared_prompt_logprobs else {}
+        extra = {"groups": groups} if fn is shared_prompt_logprobs else {}
         logprobs, entropy = fn(model, batch.input_ids, batch.attention_mask, batch.response_len, where, with_entropy=True,
                                **extra)
         ((logprobs + 0.1 * entropy) * batch.loss_mask).sum().backward()
@@ -138,14 +136,14 @@ def test_a_prompt_is_shared_only_where_that_costs_less_than_the_rows():
 def test_sharing_applies_only_where_it_saves_work_and_keeps_the_meaning():
     batch, _ = _grouped_batch()
     where = batch.loss_mask.bool()
-    assert applicable(batch.input_ids, batch.attention_mask, batch.prompt_len, where, COST)
+    assert groups_to_share(batch.input_ids, batch.attention_mask, batch.prompt_len, where, COST) is not None
     alone = batch.select([0, 1, 2])  # one row of each prompt: nothing to share
-    assert not applicable(alone.input_ids, alone.attention_mask, alone.prompt_len, alone.loss_mask.bool(), COST)
+    assert groups_to_share(alone.input_ids, alone.attention_mask, alone.prompt_len, alone.loss_mask.bool(), COST) is None
     padding_too = torch.ones_like(where)  # a filler pass scores padding positions
-    assert not applicable(batch.input_ids, batch.attention_mask, batch.prompt_len, padding_too, COST)
+    assert groups_to_share(batch.input_ids, batch.attention_mask, batch.prompt_len, padding_too, COST) is None
     no_prompt = attrs.evolve(batch, attention_mask=batch.attention_mask.clone())
     no_prompt.attention_mask[:, :batch.prompt_len] = 0
-    assert not applicable(no_prompt.input_ids, no_prompt.attention_mask, batch.prompt_len, where, COST)
+    assert groups_to_share(no_prompt.input_ids, no_prompt.attention_mask, batch.prompt_len, where, COST) is None
 
 
 def test_a_plugins_attention_or_a_model_of_other_layers_keeps_rows_apart():

@@ -46,7 +46,7 @@ from skyrl_core.state_file import load_state, save_state
 from skyrl_core.ops import prepare_model, site_scope
 from skyrl_core.ops.chunked_logprobs import response_logprobs
 from skyrl_core.ops.shared_prompts import (
-    applicable as sharing_applies,
+    groups_to_share,
     model_allows_sharing,
     prompt_sharing_allowed,
     shared_prompt_logprobs,
@@ -201,12 +201,13 @@ class FSDPRank:
         """Logprobs ``[B, R]`` of the response tokens where ``where`` is true (0 elsewhere), and their
         entropy if asked; logits exist ``trainer.logprob_chunk_tokens`` positions at a time. Rows that
         share a prompt compute it once (``options.share_prompts``)."""
-        if (self.shares_prompts and batch.position_ids is None
-                and sharing_applies(batch.input_ids, batch.attention_mask, batch.prompt_len, where, self.pair_cost)):
+        groups = (groups_to_share(batch.input_ids, batch.attention_mask, batch.prompt_len, where, self.pair_cost)
+                  if self.shares_prompts and batch.position_ids is None else None)
+        if groups is not None:
             return shared_prompt_logprobs(
                 self.model, batch.input_ids, batch.attention_mask, batch.response_len, where, ledger=self.ledger,
                 temperature=temperature, chunk_tokens=self.trainer.logprob_chunk_tokens, with_entropy=with_entropy,
-                pair_cost=self.pair_cost,
+                groups=groups,
             )
         return response_logprobs(
             self.model, batch.input_ids, batch.attention_mask, batch.response_len, where, ledger=self.ledger,
