@@ -42,7 +42,10 @@ def _libgomp() -> ctypes.CDLL | None:
             paths = {line.split(None, 5)[-1].strip() for line in maps if "/libgomp" in line}
     except OSError:
         return None
-    if len(paths) != 1:  # none (another OpenMP runtime), or two copies: do not guess
+    # Other wheels bundle a libgomp of their own (sentencepiece's, loaded with a tokenizer): their
+    # teams are theirs. torch's kernels run on the copy in torch's own lib directory.
+    paths = {path for path in paths if torch_lib_dir() in path} or paths
+    if len(paths) != 1:  # none (another OpenMP runtime), or two copies and neither torch's: do not guess
         return None
     try:
         lib = ctypes.CDLL(paths.pop(), mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
@@ -51,6 +54,13 @@ def _libgomp() -> ctypes.CDLL | None:
         return None
     pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
     return lib
+
+
+def torch_lib_dir() -> str:
+    """The directory of torch's shared libraries (``.../torch/lib/``)."""
+    import torch
+
+    return os.path.join(os.path.dirname(torch.__file__), "lib") + os.sep
 
 
 def release_thread_team() -> bool:

@@ -65,3 +65,30 @@ def test_without_release_the_main_threads_team_outlives_its_work():
 def test_release_is_harmless_and_repeatable_on_a_thread_without_a_team():
     assert openmp_teams.release_thread_team() is True
     assert openmp_teams.release_thread_team() is True
+
+
+# A second libgomp mapped before the first release (sentencepiece's wheel bundles one; it loads
+# with a tokenizer): the probe maps a renamed copy of torch's own, then releases main's team.
+SECOND_COPY = """
+import ctypes, os, shutil, sys, tempfile, torch
+from skyrl_core import openmp_teams
+torch_gomp = os.path.join(openmp_teams.torch_lib_dir(), "libgomp.so.1")
+copy = os.path.join(tempfile.mkdtemp(), "libgomp-bundled.so.1")
+shutil.copy(torch_gomp, copy)
+ctypes.CDLL(copy)
+mapped = {line.split(None, 5)[-1].strip() for line in open("/proc/self/maps") if "/libgomp" in line}
+tasks = lambda: len(os.listdir("/proc/self/task"))
+torch.ones(1 << 20).exp_()
+team = tasks()
+released = openmp_teams.release_thread_team()
+print(len(mapped), team - tasks(), released, openmp_teams._libgomp()._name == torch_gomp)
+"""
+
+
+def test_a_second_libgomp_in_the_process_does_not_stop_the_release_of_torchs_teams():
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    out = subprocess.run([sys.executable, "-c", SECOND_COPY], capture_output=True, text=True, env=env, check=True)
+    copies, freed, released, torchs = out.stdout.split()
+    assert copies == "2"  # the precondition: two runtimes mapped (before the fix: nothing released)
+    assert released == "True" and torchs == "True"
+    assert freed == "1"  # main's worker is gone
