@@ -520,3 +520,45 @@ def test_data_that_share_a_prompt_are_computed_once_with_the_logprobs_and_gradie
     assert shared[2].keys() == apart[2].keys() and apart[2]
     for name, grad in apart[2].items():
         assert (shared[2][name] - grad).norm() <= 1e-5 * grad.norm() + 1e-8, name
+
+
+def test_weights_saved_for_sampling_are_sampled_from_memory_with_the_files_bits(tiny_model, tmp_path, monkeypatch):
+    """An RL loop saves weights for sampling each step and samples them next: the sampler takes the
+    tensors the save wrote, without reading the file back, and they are the file's bits."""
+    import threading
+    from types import SimpleNamespace
+
+    from skyrl_core import lora as lora_lib
+    from skyrl_tinker import trainer as trainer_module
+    from skyrl_tinker.service import TinkerService
+    from skyrl_tinker.store import CheckpointRow
+
+    service = TinkerService(tiny_model, db_url=f"sqlite:///{tmp_path / 'db.sqlite'}", checkpoint_dir=str(tmp_path / "ckpt"))
+    try:
+        session = service.create_session("alice", [], None, "test")
+        lora = SimpleNamespace(rank=4, train_attn=True, train_mlp=True, train_unembed=False, seed=3)
+        model_id = service.create_model("alice", SimpleNamespace(session_id=session, base_model=None, optimizer_config=None,
+                                                                 lora_config=lora, model_seq_id=0, user_metadata=None))["model_id"]
+        with torch.no_grad():  # (a fresh adapter's B is zero: make the saved tensors tell adapters apart)
+            for p in lora_lib.adapter_parameters(service.trainer.model, model_id):
+                p.add_(0.01)
+        future = service.save_weights_for_sampler("alice", SimpleNamespace(model_id=model_id, kind="snapshot", path=None, user_metadata=None))
+        finished = threading.Event()
+        if service.when_finished(future["request_id"], finished.set):
+            assert finished.wait(60)
+        path, cached = service._sampler_tensors
+        directory = service.store.get(CheckpointRow, path).directory
+        reads = []
+        real_read = trainer_module.read_adapter
+        monkeypatch.setattr(trainer_module, "read_adapter", lambda d: reads.append(d) or real_read(d))
+        taken = service._sampler_weights(path, directory)
+        assert reads == []  # from memory
+        on_disk = real_read(directory)
+        assert set(taken) == set(on_disk) and len(taken) > 0
+        for key, value in on_disk.items():
+            assert torch.equal(taken[key].view(torch.int32), value.view(torch.int32)), key
+        service._sampler_tensors = None  # negative control: without the saved copy, the file is read
+        service._sampler_weights(path, directory)
+        assert reads == [directory]
+    finally:
+        service.close()

@@ -169,19 +169,21 @@ class BackendLoraTrainer(LoraTrainer):
             out[f"{module}.lora_scale"] = torch.tensor(adapter.alpha / adapter.rank, dtype=torch.float32)
         return out
 
-    def save(self, name: str, directory: str, *, optimizer: bool) -> None:
-        """What ``LoraTrainer.save`` writes (adapter tensors, description), and with ``optimizer``
-        the backend's own checkpoint (adapter, AdamW state, step) beside them."""
+    def save(self, name: str, directory: str, *, optimizer: bool) -> dict[str, Any]:
+        """What ``LoraTrainer.save`` writes (adapter tensors, description; it returns the tensors),
+        and with ``optimizer`` the backend's own checkpoint (adapter, AdamW state, step) beside them."""
         import json
 
         from safetensors.torch import save_file
 
         os.makedirs(directory, exist_ok=True)
-        save_file(self.adapter_tensors(name), os.path.join(directory, ADAPTER_FILE))
+        tensors = self.adapter_tensors(name)
+        save_file(tensors, os.path.join(directory, ADAPTER_FILE))
         if optimizer:
             self.backends[name].save_checkpoint(os.path.join(directory, BACKEND_DIR))
         with open(os.path.join(directory, META_FILE), "w") as f:
             json.dump(self.meta(name), f)
+        return tensors
 
     def load(self, name: str, directory: str, *, optimizer: bool) -> None:
         adapter = self._adapter(name)

@@ -636,8 +636,11 @@ class TinkerService:
         def work() -> Result:
             tmp = directory + PARTIAL
             shutil.rmtree(tmp, ignore_errors=True)
-            self.trainer.save(model_id, tmp, optimizer=False)
+            written = self.trainer.save(model_id, tmp, optimizer=False)
             publish_directory(tmp, directory)
+            # The next sampling request for these weights (an RL loop's next step) takes them from
+            # memory, not from the file just written.
+            self._sampler_tensors = (path, written)
             checkpoint = self._checkpoint_row(owner, model_id, "sampler", path, checkpoint_id, directory, request.user_metadata)
             if named:
                 self.store.put([checkpoint])

@@ -456,16 +456,19 @@ class LoraTrainer:
         a = self._adapter(name)
         return {"rank": a.rank, "alpha": a.alpha, "groups": list(a.groups), "seed": a.seed, "steps": a.steps}
 
-    def save(self, name: str, directory: str, *, optimizer: bool) -> None:
-        """Adapter tensors (safetensors), its description, and (``optimizer``) its AdamW state."""
+    def save(self, name: str, directory: str, *, optimizer: bool) -> dict[str, torch.Tensor]:
+        """Adapter tensors (safetensors), its description, and (``optimizer``) its AdamW state;
+        returns the adapter tensors written (copies: what ``read_adapter`` would read back)."""
         from safetensors.torch import save_file
 
         os.makedirs(directory, exist_ok=True)
-        save_file(self.adapter_tensors(name), os.path.join(directory, ADAPTER_FILE))
+        tensors = self.adapter_tensors(name)
+        save_file(tensors, os.path.join(directory, ADAPTER_FILE))
         if optimizer:
             torch.save(self._adapter(name).optimizer.state_dict(), os.path.join(directory, OPTIMIZER_FILE))
         with open(os.path.join(directory, META_FILE), "w") as f:
             json.dump(self.meta(name), f)
+        return tensors
 
     def load(self, name: str, directory: str, *, optimizer: bool) -> None:
         """Load what ``save`` wrote into adapter ``name`` (which has the checkpoint's rank and
