@@ -11,7 +11,7 @@ cutting, so the micro-batch losses still sum exactly to the mini-batch's loss.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import attrs
 import torch
@@ -86,35 +86,57 @@ def plan_micro_batches(batch: TrainingBatch, *, max_rows: int, max_tokens: int |
 
 
 def _plan_prompt_groups(batch: TrainingBatch, groups: list[list[int]], max_rows: int, max_tokens: int | None) -> list[list[int]]:
-    """Micro-batches of whole prompt groups (a group of more than ``max_rows`` rows or ``max_tokens``
-    packed positions in parts, a row at least): units sorted
-    by packed length (prompt + its responses), packed while at most ``max_rows`` rows and at most
-    ``max_tokens`` positions (units x the longest unit's packed length)."""
+    """Micro-batches of whole prompt groups (``plan_group_passes``): a part of a group holds at most
+    ``max_rows`` rows and ``max_tokens`` packed positions, and so does a micro-batch (its parts x
+    the longest part's packed length)."""
     prompt_lens, response_lens = row_lengths(batch)
-    units = []
-    for group in groups:
-        unit: list[int] = []
-        for i in sorted(group, key=lambda i: response_lens[i]):
-            packed = prompt_lens[i] + sum(response_lens[j] for j in unit) + response_lens[i]
-            if unit and (len(unit) == max_rows or (max_tokens is not None and packed > max_tokens)):
-                units.append(unit)
-                unit = []
-            unit.append(i)
-        units.append(unit)
-    length = {id(u): prompt_lens[u[0]] + max(1, sum(response_lens[i] for i in u)) for u in units}
-    units.sort(key=lambda u: (length[id(u)], u[0]))
+
+    def within(rows: int, longest: int, count: int = 1) -> bool:
+        return rows <= max_rows and (max_tokens is None or count * longest <= max_tokens)
+
+    return plan_group_passes(
+        [(group, prompt_lens[group[0]]) for group in groups], [max(1, n) for n in response_lens],  # (a row holds a position)
+        part_fits=lambda rows, length: within(len(rows), length),
+        pass_fits=lambda parts: within(sum(len(rows) for rows, _ in parts), max(n for _, n in parts), len(parts)),
+    )
+
+
+def plan_group_passes(
+    groups: Sequence[tuple[Sequence[int], int]],
+    rest_lens: Sequence[int],
+    *,
+    part_fits: Callable[[list[int], int], bool],
+    pass_fits: Callable[[list[tuple[list[int], int]]], bool],
+) -> list[list[int]]:
+    """Passes of data that share a prefix, each group computed as one sequence: its prefix, then
+    every member's rest. ``groups`` are ``(members, prefix length)``; ``rest_lens[i]`` is datum
+    ``i``'s length after its group's prefix.
+
+    A group's members, shortest rest first, are cut into parts: a part takes the next member while
+    ``part_fits(members, packed length)`` (a part has one member at least; the packed length is the
+    prefix plus the rests). Parts in order of packed length (then of their
+    first member: the plan depends only on the lengths) join a pass while ``pass_fits(parts)``
+    (each part a ``(members, packed length)``; a pass has one part at least), so a pass pads its
+    sequences to a length close to theirs. Returns each pass's data."""
+    parts: list[tuple[list[int], int]] = []
+    for members, prefix in groups:
+        part: list[int] = []
+        for i in sorted(members, key=lambda i: rest_lens[i]):
+            if part and not part_fits(part + [i], prefix + sum(rest_lens[j] for j in part) + rest_lens[i]):
+                parts.append((part, prefix + sum(rest_lens[j] for j in part)))
+                part = []
+            part.append(i)
+        parts.append((part, prefix + sum(rest_lens[j] for j in part)))
+    parts.sort(key=lambda p: (p[1], p[0][0]))
     plan: list[list[int]] = []
-    current: list[list[int]] = []
-    for unit in units:
-        rows = sum(map(len, current)) + len(unit)
-        longest = max([length[id(u)] for u in current] + [length[id(unit)]])
-        fits = rows <= max_rows and (max_tokens is None or (len(current) + 1) * longest <= max_tokens)
-        if current and not fits:
-            plan.append([i for u in current for i in u])
+    current: list[tuple[list[int], int]] = []
+    for part in parts:
+        if current and not pass_fits(current + [part]):
+            plan.append([i for members, _ in current for i in members])
             current = []
-        current.append(unit)
+        current.append(part)
     if current:
-        plan.append([i for u in current for i in u])
+        plan.append([i for members, _ in current for i in members])
     return plan
 
 

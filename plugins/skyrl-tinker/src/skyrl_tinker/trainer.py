@@ -30,6 +30,7 @@ import torch
 from skyrl_core import lora
 from skyrl_core.backends.activation_checkpointing import checkpointed_layers, decoder_layers
 from skyrl_core.backends.gradients_on_failure import gradients_restored_on_failure
+from skyrl_core.backends.packing import plan_group_passes
 from skyrl_core.config.schema import ModelConfig
 from skyrl_core.heap import keep_freed_memory, own_maps_above, release_freed_memory
 from skyrl_core.models import load_causal_lm
@@ -327,30 +328,21 @@ class LoraTrainer:
             yield part
 
     def _shared_prefix_passes(self, examples: Sequence[Example]) -> Iterator[list[int]]:
-        """Passes of whole prefix groups (``prefix_groups``), sized by their packed form: a group is
-        one sequence of its prefix and every datum's rest, so a pass of ``g`` groups holds ``g``
-        sequences of the longest one's length. A group too large for a pass is cut into parts (its
-        data in order of length), each computed as one sequence with the same prefix."""
+        """Passes of whole prefix groups (``prefix_groups``), sized by their packed form
+        (``plan_group_passes``): a group is one sequence of its prefix and every datum's rest, so a
+        pass of ``g`` groups holds ``g`` sequences of the longest one's length. A group too large for
+        a pass is cut into parts, each computed as one sequence with the same prefix."""
         tokens = [e.tokens.tolist() for e in examples]
-        units: list[tuple[list[int], int]] = []  # (data, packed length)
-        for members, prefix in prefix_groups(tokens, self.pair_cost):
-            part: list[int] = []
-            for i in sorted(members, key=lambda i: len(tokens[i])):
-                longer = prefix + sum(len(tokens[j]) - prefix for j in part + [i])
-                if part and self.pass_bytes(1, longer) > MICRO_BATCH_BYTES:
-                    units.append((part, prefix + sum(len(tokens[j]) - prefix for j in part)))
-                    part = []
-                part.append(i)
-            units.append((part, prefix + sum(len(tokens[j]) - prefix for j in part)))
-        units.sort(key=lambda unit: (unit[1], unit[0][0]))
-        current: list[tuple[list[int], int]] = []
-        for unit in units:  # ascending: the unit joining a pass is its longest
-            if current and self.pass_bytes(len(current) + 1, unit[1]) > MICRO_BATCH_BYTES:
-                yield [i for members, _ in current for i in members]
-                current = []
-            current.append(unit)
-        if current:
-            yield [i for members, _ in current for i in members]
+        groups = prefix_groups(tokens, self.pair_cost)
+        rests = [0] * len(tokens)
+        for members, prefix in groups:
+            for i in members:
+                rests[i] = len(tokens[i]) - prefix
+        yield from plan_group_passes(
+            groups, rests,
+            part_fits=lambda members, length: self.pass_bytes(1, length) <= MICRO_BATCH_BYTES,
+            pass_fits=lambda parts: self.pass_bytes(len(parts), max(n for _, n in parts)) <= MICRO_BATCH_BYTES,
+        )
 
     def _run(
         self, examples: Sequence[Example], loss_fn: str, loss_config: dict[str, Any] | None, *, backward: bool
