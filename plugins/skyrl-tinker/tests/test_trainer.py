@@ -562,3 +562,42 @@ def test_weights_saved_for_sampling_are_sampled_from_memory_with_the_files_bits(
         assert reads == [directory]
     finally:
         service.close()
+
+
+def test_a_saved_checkpoints_rows_are_written_with_its_future_in_one_transaction(tiny_model, tmp_path, monkeypatch):
+    """The save's work writes its files and returns its rows (checkpoint, sampling session): they
+    are committed in the transaction that finishes the future, so a crash between the two cannot
+    leave a listed checkpoint whose save is reported failed."""
+    import threading
+    from types import SimpleNamespace
+
+    from skyrl_tinker.service import TinkerService
+    from skyrl_tinker.store import CheckpointRow, SamplingSessionRow
+
+    service = TinkerService(tiny_model, db_url=f"sqlite:///{tmp_path / 'db.sqlite'}", checkpoint_dir=str(tmp_path / "ckpt"))
+    try:
+        session = service.create_session("alice", [], None, "test")
+        lora = SimpleNamespace(rank=4, train_attn=True, train_mlp=True, train_unembed=False, seed=3)
+        created = service.create_model("alice", SimpleNamespace(session_id=session, base_model=None, optimizer_config=None,
+                                                                lora_config=lora, model_seq_id=0, user_metadata=None))
+        model_id = created["model_id"]
+        made = threading.Event()
+        if service.when_finished(created["request_id"], made.set):
+            assert made.wait(60)
+        queued = []
+        monkeypatch.setattr(service, "submit", lambda owner, kind, model, work, **extra: queued.append(work) or {})
+        service.save_weights_for_sampler("alice", SimpleNamespace(model_id=model_id, kind="snapshot", path=None, user_metadata=None))
+        form, payload, rows = queued[0]()
+        path = rows[0].tinker_path
+        assert [type(r) for r in rows] == [CheckpointRow, SamplingSessionRow] and rows[1].model_path == path
+        assert service.store.get(CheckpointRow, path) is None  # nothing written by the work itself
+        assert service.store.get(SamplingSessionRow, payload["sampling_session_id"]) is None
+        monkeypatch.undo()
+        fid = service.submit("alice", "save_weights_for_sampler", model_id, lambda: (form, payload, rows))["request_id"]
+        finished = threading.Event()
+        if service.when_finished(fid, finished.set):
+            assert finished.wait(60)
+        assert service.store.get(CheckpointRow, path) is not None  # written with the future
+        assert service.retrieve("alice", fid)[1]["sampling_session_id"] == payload["sampling_session_id"]
+    finally:
+        service.close()

@@ -21,7 +21,7 @@ import threading
 import time
 import traceback
 import uuid
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import attrs
 import numpy as np
@@ -71,6 +71,9 @@ class NotFound(TinkerError):
 
 
 Result = tuple[str, Any]  # ("json", dict) or ("proto", bytes)
+# A work item may also return the rows its result makes (a checkpoint, a sampling session) as a
+# third element: they are written in the transaction that finishes its future (one fsync; a crash
+# leaves both or neither).
 # Sampling requests queued back to back for the same weights share one engine call, up to this many.
 MAX_SAMPLE_BATCH = 64
 MAX_JOINING_CALLS = 4  # generate calls of one sampling batch in flight at once (each joins the engine's batch)
@@ -213,11 +216,11 @@ class TinkerService:
         # reported failed, so persisting the transition would cost an fsync for nothing.)
         start = time.perf_counter()
         try:
-            form, payload = work()
+            form, payload, *rows = work()
         except Exception as error:  # noqa: BLE001 - reported to the client, the server keeps serving
             self._record([(future_id, self._failure(error))])
         else:
-            self._record([(future_id, self._success(form, payload, time.perf_counter() - start))])
+            self._record([(future_id, self._success(form, payload, time.perf_counter() - start))], rows[0] if rows else ())
 
     @staticmethod
     def _success(form: str, payload: Any, seconds: float) -> dict[str, Any]:
@@ -230,9 +233,10 @@ class TinkerService:
         log.error("request failed:\n%s", "".join(traceback.format_exception(error)))
         return failed(f"{type(error).__name__}: {error}", "server")
 
-    def _record(self, outcomes: list[tuple[str, dict[str, Any]]]) -> None:
-        """Write outcomes durably (one transaction), then wake the long-polls waiting for them."""
-        self.store.finish([(self._pending[future_id], values) for future_id, values in outcomes])
+    def _record(self, outcomes: list[tuple[str, dict[str, Any]]], rows: Sequence[Any] = ()) -> None:
+        """Write outcomes and the ``rows`` they made durably (one transaction), then wake the
+        long-polls waiting for them."""
+        self.store.finish([(self._pending[future_id], values) for future_id, values in outcomes], rows)
         for future_id, _ in outcomes:
             del self._pending[future_id]  # (after the commit: a reader finds it here or there)
             with self._waiters_lock:
@@ -620,8 +624,8 @@ class TinkerService:
             shutil.rmtree(tmp, ignore_errors=True)
             self.trainer.save(model_id, tmp, optimizer=True)
             publish_directory(tmp, directory)
-            self.store.put([self._checkpoint_row(owner, model_id, "training", path, checkpoint_id, directory, request.user_metadata)])
-            return "json", {"path": path, "type": "save_weights"}
+            checkpoint = self._checkpoint_row(owner, model_id, "training", path, checkpoint_id, directory, request.user_metadata)
+            return "json", {"path": path, "type": "save_weights"}, [checkpoint]
 
         return self.submit(owner, "save_weights", model_id, work)
 
@@ -643,12 +647,11 @@ class TinkerService:
             self._sampler_tensors = (path, written)
             checkpoint = self._checkpoint_row(owner, model_id, "sampler", path, checkpoint_id, directory, request.user_metadata)
             if named:
-                self.store.put([checkpoint])
-                return "json", {"path": path, "type": "save_weights_for_sampler"}
+                return "json", {"path": path, "type": "save_weights_for_sampler"}, [checkpoint]
             sampling_session_id = uuid.uuid4().hex[:16]
-            self.store.put([checkpoint, SamplingSessionRow(id=sampling_session_id, owner=owner, session_id=row.session_id,
-                                                           base_model=self.base_model, model_path=path)])
-            return "json", {"path": None, "sampling_session_id": sampling_session_id, "type": "save_weights_for_sampler"}
+            session = SamplingSessionRow(id=sampling_session_id, owner=owner, session_id=row.session_id,
+                                         base_model=self.base_model, model_path=path)
+            return "json", {"path": None, "sampling_session_id": sampling_session_id, "type": "save_weights_for_sampler"}, [checkpoint, session]
 
         return self.submit(owner, "save_weights_for_sampler", model_id, work)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import threading
-from typing import Any
+from typing import Any, Sequence
 
 from sqlalchemy import JSON, DateTime, Float, Integer, LargeBinary, String, Text, create_engine, event, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
@@ -158,11 +158,14 @@ class Store:
                 s.merge(row)
             s.commit()
 
-    def finish(self, outcomes: list[tuple[FutureRow, dict[str, Any]]]) -> None:
+    def finish(self, outcomes: list[tuple[FutureRow, dict[str, Any]]], rows: Sequence[Base] = ()) -> None:
         """Write finished futures (each a pending row, not in the database, and the columns
-        ``done`` or ``failed`` gives) in ONE transaction, one fsync for a whole sampling batch, and
-        touch the model each belongs to. The pending rows are left as they are (still pending)."""
+        ``done`` or ``failed`` gives) and the ``rows`` their work made (inserted or replaced by
+        primary key) in ONE transaction, one fsync for a whole sampling batch, and touch the model
+        each belongs to. The pending rows are left as they are (still pending)."""
         with self._lock, self.session() as s:
+            for row in rows:
+                s.merge(row)
             stamp = now()
             for pending, values in outcomes:
                 row = FutureRow(**{c: getattr(pending, c) for c in ("id", "owner", "model_id", "kind", "sampling_session", "created")},
