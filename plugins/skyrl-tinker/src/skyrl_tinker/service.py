@@ -74,6 +74,7 @@ Result = tuple[str, Any]  # ("json", dict) or ("proto", bytes)
 # A work item may also return the rows its result makes (a checkpoint, a sampling session) as a
 # third element: they are written in the transaction that finishes its future (one fsync; a crash
 # leaves both or neither).
+ResultWithRows = tuple[str, Any, list[Any]]
 # Sampling requests queued back to back for the same weights share one engine call, up to this many.
 MAX_SAMPLE_BATCH = 64
 MAX_JOINING_CALLS = 4  # generate calls of one sampling batch in flight at once (each joins the engine's batch)
@@ -156,7 +157,7 @@ class TinkerService:
     # --- the work queue -----------------------------------------------------------------------------
 
     def submit(
-        self, owner: str, kind: str, model_id: str | None, work: Callable[[], Result] | SampleJob, *,
+        self, owner: str, kind: str, model_id: str | None, work: Callable[[], Result | ResultWithRows] | SampleJob, *,
         sampling_session: str | None = None, **extra: Any,
     ) -> dict[str, Any]:
         """Queue ``work``; the promise the SDK polls (``UntypedAPIFuture``) plus ``extra`` fields."""
@@ -211,7 +212,7 @@ class TinkerService:
                 self._arrived.wait(remaining)
         return gathered
 
-    def _run(self, future_id: str, work: Callable[[], Result]) -> None:
+    def _run(self, future_id: str, work: Callable[[], Result | ResultWithRows]) -> None:
         # (A future is "running" only in memory: after a crash queued and running work are both
         # reported failed, so persisting the transition would cost an fsync for nothing.)
         start = time.perf_counter()
@@ -619,7 +620,7 @@ class TinkerService:
         path, checkpoint_id, directory = self._reserve_checkpoint(owner, request.model_id, "training", name, request.overwrite)
         model_id = request.model_id
 
-        def work() -> Result:
+        def work() -> ResultWithRows:
             tmp = directory + PARTIAL
             shutil.rmtree(tmp, ignore_errors=True)
             self.trainer.save(model_id, tmp, optimizer=True)
@@ -637,7 +638,7 @@ class TinkerService:
         path, checkpoint_id, directory = self._reserve_checkpoint(owner, request.model_id, "sampler", name, False)
         model_id, named = request.model_id, request.path is not None
 
-        def work() -> Result:
+        def work() -> ResultWithRows:
             tmp = directory + PARTIAL
             shutil.rmtree(tmp, ignore_errors=True)
             written = self.trainer.save(model_id, tmp, optimizer=False)
