@@ -121,12 +121,14 @@ def plan_group_passes(
     parts: list[tuple[list[int], int]] = []
     for members, prefix in groups:
         part: list[int] = []
+        length = prefix  # the part's packed length
         for i in sorted(members, key=lambda i: rest_lens[i]):
-            if part and not part_fits(part + [i], prefix + sum(rest_lens[j] for j in part) + rest_lens[i]):
-                parts.append((part, prefix + sum(rest_lens[j] for j in part)))
-                part = []
+            if part and not part_fits(part + [i], length + rest_lens[i]):
+                parts.append((part, length))
+                part, length = [], prefix
             part.append(i)
-        parts.append((part, prefix + sum(rest_lens[j] for j in part)))
+            length += rest_lens[i]
+        parts.append((part, length))
     parts.sort(key=lambda p: (p[1], p[0][0]))
     plan: list[list[int]] = []
     current: list[tuple[list[int], int]] = []
