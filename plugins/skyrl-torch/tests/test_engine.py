@@ -150,10 +150,34 @@ def test_two_threads_give_the_same_samples_and_the_thread_count_is_restored(refe
     requests = [request(prompt(5, i), str(i), seed=i, n=2, max_tokens=6) for i in range(3)]
     one = engine().generate(requests)
     torch.set_num_threads(2)  # the autouse fixture restores the previous setting
-    two = engine().generate(requests)
+    two = engine(one_thread_below_macs=0).generate(requests)  # (the tiny model's steps would take one)
     assert torch.get_num_threads() == 2
     assert [[s.token_ids for s in g] for g in one] == [[s.token_ids for s in g] for g in two]
     assert_logprobs_match(reference, [s for g in two for s in g])
+
+
+def test_uniforms_drawn_ahead_are_the_stream_drawn_one_token_at_a_time(monkeypatch):
+    """A sample draws ``UNIFORMS_PER_DRAW`` uniform numbers at a time from its generator; its tokens
+    are those of one draw per token, across draw boundaries (45 tokens, draws of 32), and a greedy
+    sample beside it draws none."""
+    import skyrl_torch.engine
+
+    requests = [request(prompt(4, i), f"r{i}", n=3, seed=7 + i, max_tokens=45, temperature=2.0) for i in range(2)]
+    requests.append(request(prompt(4, 9), "greedy", temperature=0.0, max_tokens=45))
+
+    def run() -> tuple[list[list[int]], torch.Tensor]:
+        samples = [s for g in engine().generate(requests) for s in g]
+        return [s.token_ids for s in samples], torch.tensor([x for s in samples for x in s.logprobs]).view(torch.int32)
+
+    assert skyrl_torch.engine.UNIFORMS_PER_DRAW == 32
+    tokens, logprob_bits = run()
+    assert max(len(t) for t in tokens) > 32  # past the first draw
+    monkeypatch.setattr(skyrl_torch.engine, "UNIFORMS_PER_DRAW", 1)
+    one_tokens, one_logprob_bits = run()
+    assert tokens == one_tokens
+    assert torch.equal(logprob_bits, one_logprob_bits)
+    # Negative control: the samples of a request (one stream each) differ, so the tokens follow the numbers drawn.
+    assert len({tuple(t) for t in tokens[:3]}) == 3
 
 
 def test_threads_option_sets_generation_threads_on_the_driving_thread_only():
@@ -164,7 +188,7 @@ def test_threads_option_sets_generation_threads_on_the_driving_thread_only():
     torch.set_num_threads(2)  # the autouse fixture restores the previous setting
     seen: dict[str, list[int]] = {}
     for threads in (1, None):
-        eng = engine(threads=threads)
+        eng = engine(threads=threads, one_thread_below_macs=0)
         original = eng._forward_rows
 
         def recording(*args, _seen=seen.setdefault(str(threads), []), _original=original, **kwargs):
@@ -179,6 +203,39 @@ def test_threads_option_sets_generation_threads_on_the_driving_thread_only():
         assert torch.get_num_threads() == 2  # this (trainer) thread
     assert set(seen["1"]) == {1} and set(seen["None"]) == {2}  # negative control: without the option, the caller's
     assert seen["after 1"] == [2] and seen["after None"] == [2]
+
+
+def test_steps_below_one_thread_below_macs_run_on_one_thread(reference):
+    """Each step sizes its threads from its work: rows x the model's weights per token against
+    ``one_thread_below_macs``. Samples finish at different lengths, so the rows shrink mid-generation."""
+    torch.set_num_threads(2)  # the autouse fixture restores the previous setting
+    lengths = (2, 4, 6, 8, 10, 12)
+    requests = [request(prompt(3, i), f"r{i}", seed=i, max_tokens=m) for i, m in enumerate(lengths)]
+    eng = engine()
+    weights = sum(p.numel() for p in reference.parameters())  # tied embeddings: the head's once
+    assert eng.macs_per_token == weights - reference.get_input_embeddings().weight.numel() + reference.lm_head.weight.numel()
+    runs: dict[int, list[tuple[int, int]]] = {}
+    for limit in (4 * eng.macs_per_token, 0, 1 << 40):
+        eng = engine(one_thread_below_macs=limit)
+        original, seen = eng._iterate, runs.setdefault(limit, [])
+
+        def recording(admitted, _seen=seen, _original=original):
+            assert not admitted or len(eng._active) == 0
+            rows = len(eng._active) + sum(len(g) for g in admitted)
+            _seen.append((rows, torch.get_num_threads()))
+            return _original(admitted)
+
+        eng._iterate = recording
+        samples = [s for g in eng.generate(requests) for s in g]
+        assert [len(s.token_ids) for s in samples] == list(lengths)
+        assert_logprobs_match(reference, samples)
+        assert torch.get_num_threads() == 2  # the caller's, back
+    decode = runs[4 * eng.macs_per_token][1:]  # (the first step prefills 6 prompts of 3 tokens too)
+    assert runs[4 * eng.macs_per_token][0] == (6, 2)
+    assert {rows for rows, _ in decode} == {5, 4, 3, 2, 1}  # (the shortest sample ends in the first step)
+    assert all(threads == (1 if rows < 4 else 2) for rows, threads in decode)
+    assert {t for _, t in runs[0]} == {2}  # 0: never one thread
+    assert {t for _, t in runs[1 << 40]} == {1}
 
 
 DRIVER_TEAM_PROBE = """
@@ -290,7 +347,7 @@ def test_threads_beside_training_follow_the_trainer_step_by_step():
     runs: dict[str, list[tuple[bool, int]]] = {}
     for name, options in (("beside=1", {"threads_beside_training": 1}), ("beside=1 threads=2", {"threads_beside_training": 1, "threads": 2}),
                           ("unset", {})):
-        eng = engine(**options)
+        eng = engine(**options, one_thread_below_macs=0)
         original, seen = eng._iterate, runs.setdefault(name, [])
 
         def recording(*args, _seen=seen, _original=original, **kwargs):
@@ -331,7 +388,7 @@ def test_threads_beside_training_is_refused_for_an_engine_in_its_own_process():
     [("max_num_seqs", 0, "max_num_seqs must be an integer >= 1"), ("implementation", "fast", "implementation must be one of"),
      ("attention", "flash", "attention must be one of"), ("max_model_len", -1, "max_model_len must be"),
      ("prepack_weights", "yes", "prepack_weights must be true or false"), ("threads", 0, "threads must be"),
-     ("threads_beside_training", 0, "threads_beside_training must be")],
+     ("threads_beside_training", 0, "threads_beside_training must be"), ("one_thread_below_macs", -1, "one_thread_below_macs must be")],
 )
 def test_options_are_validated(field, value, message):
     with pytest.raises(ValueError, match=message):

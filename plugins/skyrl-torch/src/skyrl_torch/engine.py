@@ -64,6 +64,10 @@ if TYPE_CHECKING:
 # Padded tokens per prefill forward (admitted prompts, recompute_kv's contexts), at most: a bound
 # on its activations, [n, q, kv] mask and attention scores. A longer prompt still goes in one forward.
 PREFILL_TOKENS = 8192
+# Uniform numbers a sample draws from its generator at once (a sample's stream is the same however
+# it is split: CPU ``rand`` fills a tensor serially). One draw per token was 64 tiny ``rand`` calls
+# a decode step at batch 64: 7% of a tiny model's generate.
+UNIFORMS_PER_DRAW = 32
 
 
 @attrs.define(eq=False)
@@ -90,6 +94,16 @@ class _Sample:
     stop_reason: str | None = None
     text_end: int | None = None  # where a stop string starts in the decoded text
     text_checked: int = 0  # length of the decoded text already searched for stop strings
+    uniforms: list[float] = attrs.field(factory=list)  # drawn ahead from the generator, next one last
+
+    def next_uniform(self) -> float:
+        """The next number of this sample's uniform stream (0.0 for a greedy sample, which draws none)."""
+        if self.generator is None:
+            return 0.0
+        if not self.uniforms:
+            ahead = min(UNIFORMS_PER_DRAW, max(1, self.request.sampling.max_tokens - len(self.token_ids)))
+            self.uniforms = torch.rand((ahead,), generator=self.generator, dtype=torch.float64).tolist()[::-1]
+        return self.uniforms.pop()
 
     @property
     def next_position(self) -> int:
@@ -126,6 +140,7 @@ class TorchEngine:
         self.ledger = prepare_model(self.model, "engine")
         self.native = self._native_decoder()
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        self.macs_per_token = _weights_per_token(self.model)
         self.max_model_len = self.options.max_model_len or int(getattr(config, "max_position_embeddings", 2048))
         self.kv_budget = KVBudget.of(config, self.model.dtype, _kv_cache_limit(self.options))
         self.eos_ids = self._eos_ids()
@@ -324,10 +339,12 @@ class TorchEngine:
                         admitted = self._admit()
                     if stale:
                         self._recompute_kv(stale)
-                    if beside_training is not None:  # per step: the trainer may have started or stopped
-                        threads = beside_training if trainer_computing() else own_threads
-                        if torch.get_num_threads() != threads:
-                            torch.set_num_threads(threads)
+                    # Per step: the trainer may have started or stopped, and the step's size changes.
+                    threads = beside_training if beside_training is not None and trainer_computing() else own_threads
+                    if threads > 1 and self._step_macs(admitted) < self.options.one_thread_below_macs:
+                        threads = 1
+                    if torch.get_num_threads() != threads:
+                        torch.set_num_threads(threads)
                     self._iterate(admitted)
         except BaseException as exc:  # every sample in flight is lost with the cache's state
             with self._lock:
@@ -402,6 +419,13 @@ class TorchEngine:
                 break
             count, longest = count + 1, length
         return count, longest
+
+    def _step_macs(self, admitted: list[list[_Sample]]) -> int:
+        """Multiply-adds of the next step's weight products: each admitted group's prompt prefilled
+        once, then one token for every active and admitted sample."""
+        prompts = sum(len(g[0].request.prompt_token_ids) for g in admitted)
+        rows = len(self._active) + sum(len(g) for g in admitted)
+        return (prompts + rows) * self.macs_per_token
 
     def _iterate(self, admitted: list[list[_Sample]]) -> None:
         """Prefill the admitted samples, then one decode step for every active sample."""
@@ -561,11 +585,7 @@ class TorchEngine:
 
     def _choose(self, logits: torch.Tensor, samples: list[_Sample], rows: RowSampling) -> None:
         """Pick each sample's next token from its row of ``logits``, record it and its raw logprob."""
-        uniforms = torch.tensor(
-            [torch.rand((), generator=s.generator, dtype=torch.float64).item() if s.generator else 0.0 for s in samples],
-            dtype=torch.float64,
-            device=logits.device,
-        )
+        uniforms = torch.tensor([s.next_uniform() for s in samples], dtype=torch.float64, device=logits.device)
         chosen = choose_tokens(logits, rows, uniforms)
         logprobs = token_logprobs(logits, chosen, ledger=self.ledger)
         for s, token, logprob in zip(samples, chosen.tolist(), logprobs.tolist()):
@@ -729,6 +749,15 @@ class TorchEngine:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this TorchEngine is closed")
+
+
+def _weights_per_token(model: torch.nn.Module) -> int:
+    """Multiply-adds of a token's weight products: every parameter but the input embeddings (a
+    lookup), the output head counted even when tied to them."""
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    total = sum(p.numel() for p in model.parameters())  # (a tied tensor once)
+    return total - embed.numel() + (head.numel() if head.data_ptr() == embed.data_ptr() else 0)
 
 
 def _length(s: _Sample) -> int:
