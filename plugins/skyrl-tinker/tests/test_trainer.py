@@ -349,6 +349,70 @@ def test_a_burst_of_sampling_requests_starts_as_one_engine_call(tiny_model, tmp_
         service.close()
 
 
+@pytest.mark.parametrize("arrived_during", ["earlier work", "the wait"])
+def test_the_gathers_quiet_window_counts_from_the_last_arrival(tiny_model, tmp_path, monkeypatch, arrived_during):
+    """A burst that arrived while the worker was busy (here: other work; in a step: the adapter's
+    merge) starts as soon as the worker is free, not a quiet window later; requests still arriving
+    are waited for as before (the negative control: the same burst spread over the wait)."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from skyrl_core.types import SamplingParams
+    from skyrl_tinker import service as service_module
+    from skyrl_tinker.service import SampleJob, TinkerService
+
+    quiet = 2.0
+    monkeypatch.setattr(service_module, "SAMPLE_GATHER_QUIET_S", quiet)
+    monkeypatch.setattr(service_module, "SAMPLE_GATHER_MAX_S", 20.0)
+    calls: list[tuple[int, float]] = []
+
+    class RecordingSampler:
+        engine = SimpleNamespace(supports_pause=False)
+        full_sets = False
+
+        def load(self, key, tensors, base):
+            pass
+
+        def ready(self):
+            pass
+
+        def sample(self, requests):
+            calls.append((len(requests), time.monotonic()))
+            return [[("length", (1, 2), (-0.5, -0.25))] for _ in requests]
+
+    service = TinkerService(tiny_model, db_url=f"sqlite:///{tmp_path / 'db.sqlite'}", checkpoint_dir=str(tmp_path / "ckpt"))
+    gate = threading.Event()
+    try:
+        service._get_sampler = lambda: RecordingSampler()
+        job = SampleJob(model_path=None, checkpoint_dir=None, prompt=[1, 2, 3], params=SamplingParams(max_tokens=2), prompt_logprobs=False)
+        if arrived_during == "earlier work":
+            service.submit("alice", "other", None, lambda: (gate.wait(30), ("json", {}))[1])
+            futures = [service.submit("alice", "sample", None, job) for _ in range(4)]
+            time.sleep(quiet + 0.5)  # every request is older than the quiet window
+            freed = time.monotonic()
+            gate.set()
+        else:
+            futures = []
+            for i in range(4):
+                if i:
+                    time.sleep(0.2)
+                futures.append(service.submit("alice", "sample", None, job))
+            freed = time.monotonic()  # the last arrival
+        deadline = time.monotonic() + 30
+        while any(f["request_id"] in service._pending for f in futures) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        (count, started), = calls
+        assert count == 4
+        if arrived_during == "earlier work":
+            assert started - freed < quiet / 2  # no quiet window after the worker was freed
+        else:
+            assert started - freed >= quiet * 0.9  # a quiet window after the last arrival
+    finally:
+        gate.set()
+        service.close()
+
+
 def test_threads_that_hand_computing_over_release_their_openmp_teams(tiny_model, tmp_path, monkeypatch):
     """The thread that built the service (it loaded the model) and the worker (it merged the
     adapter) release their OpenMP teams before the sampling threads compute: an idle team beside a

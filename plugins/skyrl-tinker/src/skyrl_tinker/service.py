@@ -79,8 +79,9 @@ ResultWithRows = tuple[str, Any, list[Any]]
 MAX_SAMPLE_BATCH = 64
 MAX_JOINING_CALLS = 4  # generate calls of one sampling batch in flight at once (each joins the engine's batch)
 MAX_JOINED_SAMPLES = 4 * MAX_SAMPLE_BATCH  # requests one sampling batch takes before the queue's next work runs
-# Before a sampling batch starts it waits for more requests while they keep coming: until none has
-# arrived for SAMPLE_GATHER_QUIET_S, at most SAMPLE_GATHER_MAX_S. The SDK sends a step's ``sample``
+# Before a sampling batch starts it waits for more requests while they keep coming: until no request
+# has arrived for SAMPLE_GATHER_QUIET_S (counted from the last arrival, which may precede the wait:
+# a burst that came while the adapter was being merged starts at once), at most SAMPLE_GATHER_MAX_S. The SDK sends a step's ``sample``
 # calls as one HTTP request each, within a few ms; started at the first, the engine took the others
 # in as joins, each a prefill of its own and a merge into the batch.
 SAMPLE_GATHER_QUIET_S = 0.01
@@ -143,6 +144,7 @@ class TinkerService:
         self._sampler_tensors: tuple[str, Any] | None = None
         self._queue: queue.Queue = queue.Queue()
         self._arrived = threading.Condition()  # notified on every submission and every finished generate call
+        self._last_arrival = 0.0  # perf_counter of the last submission (under self._arrived)
         # Future id -> callbacks to run (on the worker thread) once it is finished: the long-polls
         # waiting for it. A future is in here from submission until it is recorded.
         self._waiters: dict[str, list[Callable[[], None]]] = {}
@@ -167,6 +169,7 @@ class TinkerService:
         self._waiters[future_id] = []
         with self._arrived:  # (a sampling batch in progress may take it: _run_samples)
             self._queue.put((future_id, work))
+            self._last_arrival = time.perf_counter()
             self._arrived.notify_all()
         return {"request_id": future_id, "model_id": model_id, **extra}
 
@@ -196,17 +199,15 @@ class TinkerService:
         coming (``SAMPLE_GATHER_QUIET_S`` apart, for at most ``SAMPLE_GATHER_MAX_S``), so that a
         burst starts as one engine call; anything else queued ends the wait (order is kept)."""
         gathered: list[tuple[str, SampleJob]] = []
-        now = time.perf_counter()
-        deadline, quiet_until = now + SAMPLE_GATHER_MAX_S, now + SAMPLE_GATHER_QUIET_S
+        deadline = time.perf_counter() + SAMPLE_GATHER_MAX_S
         with self._arrived:
             while len(gathered) < room:
                 more = self._next_samples(first, room - len(gathered))
                 if more:
                     gathered += more
-                    quiet_until = time.perf_counter() + SAMPLE_GATHER_QUIET_S
                 elif self._queue.qsize():  # other work (or other weights) is next: do not hold it back
                     break
-                remaining = min(quiet_until, deadline) - time.perf_counter()
+                remaining = min(self._last_arrival + SAMPLE_GATHER_QUIET_S, deadline) - time.perf_counter()
                 if remaining <= 0:
                     break
                 self._arrived.wait(remaining)

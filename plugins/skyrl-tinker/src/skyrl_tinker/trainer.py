@@ -224,19 +224,24 @@ class LoraTrainer:
     # --- computation ------------------------------------------------------------------------------
 
     def _pad(self, examples: Sequence[Example]) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        T = max(len(e.tokens) for e in examples)
-        B = len(examples)
-        ids = torch.zeros(B, T, dtype=torch.long)
-        mask = torch.zeros(B, T, dtype=torch.float32)
-        names = set().union(*(e.inputs for e in examples))
-        inputs = {n: torch.zeros(B, T, dtype=torch.long if n == "target_tokens" else torch.float32) for n in names}
-        for i, e in enumerate(examples):
-            n = len(e.tokens)
-            ids[i, :n] = torch.from_numpy(e.tokens)
-            mask[i, :n] = 1.0
-            for key, value in e.inputs.items():
-                inputs[key][i, :n] = torch.from_numpy(value).to(inputs[key].dtype)
-        return ids, mask, inputs
+        """Right-padded ``[B, T]`` token ids, mask and per-position inputs (zeros past each datum's
+        end, and where a datum lacks an input), filled in numpy: a torch slice assignment per datum
+        and input cost ~5 us each, 1-2 ms for an RL batch."""
+        lengths = np.fromiter((len(e.tokens) for e in examples), dtype=np.int64, count=len(examples))
+        real = np.arange(int(lengths.max())) < lengths[:, None]  # [B, T], row-major like the concatenations
+        ids = np.zeros(real.shape, dtype=np.int64)
+        ids[real] = np.concatenate([e.tokens for e in examples])
+        inputs = {}
+        for key in sorted(set().union(*(e.inputs for e in examples))):
+            values = np.zeros(real.shape, dtype=np.int64 if key == "target_tokens" else np.float32)
+            if all(key in e.inputs for e in examples):
+                values[real] = np.concatenate([e.inputs[key] for e in examples])
+            else:
+                for row, e in enumerate(examples):
+                    if key in e.inputs:
+                        values[row, : lengths[row]] = e.inputs[key]
+            inputs[key] = torch.from_numpy(values)
+        return torch.from_numpy(ids), torch.from_numpy(real.astype(np.float32)), inputs
 
     def _groups(self, ids: torch.Tensor, mask: torch.Tensor) -> list[tuple[list[int], int]] | None:
         """The rows of a pass computed as one sequence each with their shared prefix
@@ -374,8 +379,9 @@ class LoraTrainer:
                 loss, metrics = compute_loss(loss_fn, loss_config, logprobs, inputs, mask)
                 if backward:
                     loss.backward()
+            rows = logprobs.detach().float().numpy()
             for row, (i, e) in enumerate(zip(indices, part)):
-                outputs[i] = logprobs[row, : len(e.tokens)].detach().float().numpy().copy()
+                outputs[i] = rows[row, : len(e.tokens)].copy()
             total += float(loss.detach())
             for key, value in metrics.items():  # per-micro-batch means, weighted by rows
                 summed[key] = summed.get(key, 0.0) + float(value) * len(part)
