@@ -101,9 +101,11 @@ def test_fully_async_rollout_logprobs_are_the_trainers_bits_with_isoexec(tmp_pat
     weights' keys/values), some token sampled after an update differs while every other token
     (those before it, samples of one version) still matches."""
     import os
+    import time
 
     from skyrl_fsdp.backend import FSDPBackend
     from skyrl_isoexec import state
+    from skyrl_torch.engine import TorchEngine
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     # per run and step, for each trained token: (bit-equal?, sampled after its sample's first version?)
@@ -130,6 +132,17 @@ def test_fully_async_rollout_logprobs_are_the_trainers_bits_with_isoexec(tmp_pat
         return original(self, batch, loss_fn)
 
     monkeypatch.setattr(FSDPBackend, "forward_backward", comparing)
+    # Samples span two versions only if updates land mid-generation: decoding is slowed (10 ms a
+    # token step) so that the generator is still busy when each update comes. Without it, once the
+    # tiny model's decode steps ran on one thread (skyrl-torch's one_thread_below_macs) instead of
+    # two beside the trainer's, generation finished first and two runs in a row had no span.
+    decode = TorchEngine._decode_step
+
+    def slow_decode(self, *args, **kwargs):
+        time.sleep(0.01)
+        return decode(self, *args, **kwargs)
+
+    monkeypatch.setattr(TorchEngine, "_decode_step", slow_decode)
     monkeypatch.delenv("SKYRL_ISOEXEC", raising=False)
     config = write_tiny_config(tmp_path, steps=4, mini_batches=1)
     saved = state.configure(None)
@@ -137,9 +150,8 @@ def test_fully_async_rollout_logprobs_are_the_trainers_bits_with_isoexec(tmp_pat
         for name, enabled, kv in (("isoexec", "true", "recompute"), ("stock", "false", "recompute"),
                                   ("keep", "true", "keep")):
             tokens[name], weights = [], []
-            # max_inflight 8: one worker, generation slower than training, so each update lands
-            # mid-generation and samples spanning two versions are trained (2 runs of 3 without
-            # it had none)
+            # max_inflight 8: one worker, so each update lands mid-generation and samples spanning
+            # two versions are trained (2 runs of 3 without it had none)
             cfg = load_config(str(config), [f"isoexec.enabled={enabled}", "trainer.mode=fully_async", "data.eval=null",
                                             "generation.max_new_tokens=16", "trainer.fully_async.max_inflight=8",
                                             f"trainer.fully_async.kv_on_update={kv}",
