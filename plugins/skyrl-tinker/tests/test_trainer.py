@@ -287,6 +287,33 @@ def test_a_flood_of_sampling_requests_runs_in_bounded_calls_and_batches(tiny_mod
         service.close()
 
 
+class RecordingSampler:
+    """A stand-in for the service's sampler that records each engine call's request count and start
+    time (``sizes``, ``starts``) and answers every request with one two-token sample."""
+
+    full_sets = False
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        self.engine = SimpleNamespace(supports_pause=False)
+        self.sizes: list[int] = []
+        self.starts: list[float] = []
+
+    def load(self, key, tensors, base):
+        pass
+
+    def ready(self):
+        pass
+
+    def sample(self, requests):
+        import time
+
+        self.sizes.append(len(requests))
+        self.starts.append(time.monotonic())
+        return [[("length", (1, 2), (-0.5, -0.25))] for _ in requests]
+
+
 @pytest.mark.parametrize("gather", [True, False])
 def test_a_burst_of_sampling_requests_starts_as_one_engine_call(tiny_model, tmp_path, monkeypatch, gather):
     """Requests that keep arriving (each within SAMPLE_GATHER_QUIET_S of the last) wait for each
@@ -294,7 +321,6 @@ def test_a_burst_of_sampling_requests_starts_as_one_engine_call(tiny_model, tmp_
     them, and SAMPLE_GATHER_MAX_S bounds it. Negative control (``gather=False``, no wait): the same
     burst starts with the first request alone."""
     import time
-    from types import SimpleNamespace
 
     from skyrl_core.types import SamplingParams
     from skyrl_tinker import service as service_module
@@ -303,25 +329,12 @@ def test_a_burst_of_sampling_requests_starts_as_one_engine_call(tiny_model, tmp_
 
     monkeypatch.setattr(service_module, "SAMPLE_GATHER_QUIET_S", 5.0 if gather else 0.0)
     monkeypatch.setattr(service_module, "SAMPLE_GATHER_MAX_S", 20.0 if gather else 0.0)
-    calls, ran = [], []
-
-    class RecordingSampler:
-        engine = SimpleNamespace(supports_pause=False)
-        full_sets = False
-
-        def load(self, key, tensors, base):
-            pass
-
-        def ready(self):
-            pass
-
-        def sample(self, requests):
-            calls.append(len(requests))
-            return [[("length", (1, 2), (-0.5, -0.25))] for _ in requests]
+    sampler, ran = RecordingSampler(), []
+    calls = sampler.sizes
 
     service = TinkerService(tiny_model, db_url=f"sqlite:///{tmp_path / 'db.sqlite'}", checkpoint_dir=str(tmp_path / "ckpt"))
     try:
-        service._get_sampler = lambda: RecordingSampler()
+        service._get_sampler = lambda: sampler
         job = SampleJob(model_path=None, checkpoint_dir=None, prompt=[1, 2, 3], params=SamplingParams(max_tokens=2), prompt_logprobs=False)
         start = time.monotonic()
         futures = []
@@ -356,7 +369,6 @@ def test_the_gathers_quiet_window_counts_from_the_last_arrival(tiny_model, tmp_p
     are waited for as before (the negative control: the same burst spread over the wait)."""
     import threading
     import time
-    from types import SimpleNamespace
 
     from skyrl_core.types import SamplingParams
     from skyrl_tinker import service as service_module
@@ -365,26 +377,12 @@ def test_the_gathers_quiet_window_counts_from_the_last_arrival(tiny_model, tmp_p
     quiet = 2.0
     monkeypatch.setattr(service_module, "SAMPLE_GATHER_QUIET_S", quiet)
     monkeypatch.setattr(service_module, "SAMPLE_GATHER_MAX_S", 20.0)
-    calls: list[tuple[int, float]] = []
-
-    class RecordingSampler:
-        engine = SimpleNamespace(supports_pause=False)
-        full_sets = False
-
-        def load(self, key, tensors, base):
-            pass
-
-        def ready(self):
-            pass
-
-        def sample(self, requests):
-            calls.append((len(requests), time.monotonic()))
-            return [[("length", (1, 2), (-0.5, -0.25))] for _ in requests]
+    sampler = RecordingSampler()
 
     service = TinkerService(tiny_model, db_url=f"sqlite:///{tmp_path / 'db.sqlite'}", checkpoint_dir=str(tmp_path / "ckpt"))
     gate = threading.Event()
     try:
-        service._get_sampler = lambda: RecordingSampler()
+        service._get_sampler = lambda: sampler
         job = SampleJob(model_path=None, checkpoint_dir=None, prompt=[1, 2, 3], params=SamplingParams(max_tokens=2), prompt_logprobs=False)
         if arrived_during == "earlier work":
             service.submit("alice", "other", None, lambda: (gate.wait(30), ("json", {}))[1])
@@ -402,8 +400,8 @@ def test_the_gathers_quiet_window_counts_from_the_last_arrival(tiny_model, tmp_p
         deadline = time.monotonic() + 30
         while any(f["request_id"] in service._pending for f in futures) and time.monotonic() < deadline:
             time.sleep(0.01)
-        (count, started), = calls
-        assert count == 4
+        assert sampler.sizes == [4]
+        (started,) = sampler.starts
         if arrived_during == "earlier work":
             assert started - freed < quiet / 2  # no quiet window after the worker was freed
         else:
