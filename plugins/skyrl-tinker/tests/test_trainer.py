@@ -663,3 +663,23 @@ def test_a_saved_checkpoints_rows_are_written_with_its_future_in_one_transaction
         assert service.retrieve("alice", fid)[1]["sampling_session_id"] == payload["sampling_session_id"]
     finally:
         service.close()
+
+
+def test_a_batch_is_padded_on_the_right_with_each_datums_values_and_zeros_elsewhere():
+    """``_pad``: ragged data (and one datum without ``advantages``, one with float64 values) give
+    ``[B, T]`` ids, mask and inputs holding each datum's values at its own positions, zeros past
+    its end and where it lacks an input, targets as int64 and the rest rounded to float32."""
+    data = [
+        Example(np.array([5, 6, 7], dtype=np.int64), {"target_tokens": np.array([6, 7, 8]), "advantages": np.array([0.5, -1.0, 2.0], dtype=np.float32)}),
+        Example(np.array([9], dtype=np.int64), {"target_tokens": np.array([3])}),
+        Example(np.array([1, 2], dtype=np.int64), {"target_tokens": np.array([2, 4]), "advantages": np.array([0.1, 0.2], dtype=np.float64)}),
+    ]
+    ids, mask, inputs = LoraTrainer._pad(data)
+    assert ids.tolist() == [[5, 6, 7], [9, 0, 0], [1, 2, 0]] and ids.dtype == torch.int64
+    assert mask.tolist() == [[1, 1, 1], [1, 0, 0], [1, 1, 0]] and mask.dtype == torch.float32
+    assert set(inputs) == {"target_tokens", "advantages"}
+    assert inputs["target_tokens"].tolist() == [[6, 7, 8], [3, 0, 0], [2, 4, 0]] and inputs["target_tokens"].dtype == torch.int64
+    advantages = inputs["advantages"]
+    assert advantages.dtype == torch.float32
+    expected = torch.tensor([[0.5, -1.0, 2.0], [0.0, 0.0, 0.0], [0.1, 0.2, 0.0]], dtype=torch.float64).float()
+    assert torch.equal(advantages.view(torch.int32), expected.view(torch.int32))
