@@ -81,9 +81,9 @@ MAX_JOINING_CALLS = 4  # generate calls of one sampling batch in flight at once 
 MAX_JOINED_SAMPLES = 4 * MAX_SAMPLE_BATCH  # requests one sampling batch takes before the queue's next work runs
 # Before a sampling batch starts it waits for more requests while they keep coming: until no request
 # has arrived for SAMPLE_GATHER_QUIET_S (counted from the last arrival, which may precede the wait:
-# a burst that came while the adapter was being merged starts at once), at most SAMPLE_GATHER_MAX_S. The SDK sends a step's ``sample``
-# calls as one HTTP request each, within a few ms; started at the first, the engine took the others
-# in as joins, each a prefill of its own and a merge into the batch.
+# a burst that came while the adapter was being merged starts at once), at most SAMPLE_GATHER_MAX_S.
+# The SDK sends a step's ``sample`` calls as one HTTP request each, within a few ms; started at the
+# first, the engine took the others in as joins, each a prefill of its own and a merge into the batch.
 SAMPLE_GATHER_QUIET_S = 0.01
 SAMPLE_GATHER_MAX_S = 0.05
 

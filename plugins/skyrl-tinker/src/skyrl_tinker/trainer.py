@@ -234,6 +234,9 @@ class LoraTrainer:
         ids[real] = np.concatenate([e.tokens for e in examples])
         inputs = {}
         for key in sorted(set().union(*(e.inputs for e in examples))):
+            for row, e in enumerate(examples):  # (the service refuses such data first; this keeps rows aligned)
+                if key in e.inputs and len(e.inputs[key]) != lengths[row]:
+                    raise ValueError(f"datum {row}: {key} has {len(e.inputs[key])} values for {lengths[row]} tokens")
             values = np.zeros(real.shape, dtype=np.int64 if key == "target_tokens" else np.float32)
             if all(key in e.inputs for e in examples):
                 values[real] = np.concatenate([e.inputs[key] for e in examples])

@@ -66,7 +66,7 @@ if TYPE_CHECKING:
 PREFILL_TOKENS = 8192
 # Uniform numbers a sample draws from its generator at once (a sample's stream is the same however
 # it is split: CPU ``rand`` fills a tensor serially). One draw per token was 64 tiny ``rand`` calls
-# a decode step at batch 64: 7% of a tiny model's generate.
+# a decode step at batch 64: up to 11% of a tiny model's generate (docs/benchmarks.md).
 UNIFORMS_PER_DRAW = 32
 
 
