@@ -96,7 +96,7 @@ def _plan_prompt_groups(batch: TrainingBatch, groups: list[list[int]], max_rows:
 
     return plan_group_passes(
         [(group, prompt_lens[group[0]]) for group in groups], [max(1, n) for n in response_lens],  # (a row holds a position)
-        part_fits=lambda rows, length: within(len(rows), length),
+        part_fits=lambda rows, length: within(rows, length),
         pass_fits=lambda parts: within(sum(len(rows) for rows, _ in parts), max(n for _, n in parts), len(parts)),
     )
 
@@ -105,7 +105,7 @@ def plan_group_passes(
     groups: Sequence[tuple[Sequence[int], int]],
     rest_lens: Sequence[int],
     *,
-    part_fits: Callable[[list[int], int], bool],
+    part_fits: Callable[[int, int], bool],
     pass_fits: Callable[[list[tuple[list[int], int]]], bool],
 ) -> list[list[int]]:
     """Passes of data that share a prefix, each group computed as one sequence: its prefix, then
@@ -113,8 +113,8 @@ def plan_group_passes(
     ``i``'s length after its group's prefix.
 
     A group's members, shortest rest first, are cut into parts: a part takes the next member while
-    ``part_fits(members, packed length)`` (a part has one member at least; the packed length is the
-    prefix plus the rests). Parts in order of packed length (then of their
+    ``part_fits(count, packed length)`` (``count``: its members with the next one; a part has one at
+    least; the packed length is the prefix plus the rests). Parts in order of packed length (then of their
     first member: the plan depends only on the lengths) join a pass while ``pass_fits(parts)``
     (each part a ``(members, packed length)``; a pass has one part at least), so a pass pads its
     sequences to a length close to theirs. Returns each pass's data."""
@@ -123,7 +123,7 @@ def plan_group_passes(
         part: list[int] = []
         length = prefix  # the part's packed length
         for i in sorted(members, key=lambda i: rest_lens[i]):
-            if part and not part_fits(part + [i], length + rest_lens[i]):
+            if part and not part_fits(len(part) + 1, length + rest_lens[i]):
                 parts.append((part, length))
                 part, length = [], prefix
             part.append(i)

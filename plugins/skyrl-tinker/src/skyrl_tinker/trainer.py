@@ -79,10 +79,16 @@ ADAPTER_MEMORY_SHARE = 0.25
 
 @attrs.frozen
 class Example:
-    """One Tinker datum: input tokens and per-position loss inputs (``target_tokens`` and others)."""
+    """One Tinker datum: input tokens and per-position loss inputs (``target_tokens`` and others),
+    one value per token each (checked here: the trainer lays every input out by its datum's length)."""
 
     tokens: np.ndarray  # int64 [T]
     inputs: dict[str, np.ndarray]  # each [T]
+
+    def __attrs_post_init__(self) -> None:
+        for key, values in self.inputs.items():
+            if len(values) != len(self.tokens):
+                raise ValueError(f"Example: {key} has {len(values)} values for {len(self.tokens)} tokens")
 
 
 @attrs.frozen
@@ -227,16 +233,14 @@ class LoraTrainer:
     def _pad(examples: Sequence[Example]) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """Right-padded ``[B, T]`` token ids, mask and per-position inputs (zeros past each datum's
         end, and where a datum lacks an input), filled in numpy: a torch slice assignment per datum
-        and input cost ~5 us each, 1-2 ms for an RL batch."""
+        and input cost ~5 us each, 1-2 ms for an RL batch. (An ``Example`` holds one value per token
+        of each input, so the concatenations line up with the mask's rows.)"""
         lengths = np.fromiter((len(e.tokens) for e in examples), dtype=np.int64, count=len(examples))
         real = np.arange(int(lengths.max())) < lengths[:, None]  # [B, T], row-major like the concatenations
         ids = np.zeros(real.shape, dtype=np.int64)
         ids[real] = np.concatenate([e.tokens for e in examples])
         inputs = {}
         for key in sorted(set().union(*(e.inputs for e in examples))):
-            for row, e in enumerate(examples):  # (the service refuses such data first; this keeps rows aligned)
-                if key in e.inputs and len(e.inputs[key]) != lengths[row]:
-                    raise ValueError(f"datum {row}: {key} has {len(e.inputs[key])} values for {lengths[row]} tokens")
             values = np.zeros(real.shape, dtype=np.int64 if key == "target_tokens" else np.float32)
             if all(key in e.inputs for e in examples):
                 values[real] = np.concatenate([e.inputs[key] for e in examples])
@@ -349,7 +353,7 @@ class LoraTrainer:
                 rests[i] = len(tokens[i]) - prefix
         yield from plan_group_passes(
             groups, rests,
-            part_fits=lambda members, length: self.pass_bytes(1, length) <= MICRO_BATCH_BYTES,
+            part_fits=lambda count, length: self.pass_bytes(1, length) <= MICRO_BATCH_BYTES,
             pass_fits=lambda parts: self.pass_bytes(len(parts), max(n for _, n in parts)) <= MICRO_BATCH_BYTES,
         )
 

@@ -46,6 +46,7 @@ import torch
 from skyrl_core.compute_share import trainer_computing
 from skyrl_core.engines.requests import check_request
 from skyrl_core.heap import keep_freed_memory, release_freed_memory
+from skyrl_core.lora import ties_unembedding
 from skyrl_core.models import load_causal_lm, load_tokenizer
 from skyrl_core.ops import prepare_model, site_scope, token_logprobs
 from skyrl_core.ops.onednn import computes as onednn_computes
@@ -754,10 +755,9 @@ class TorchEngine:
 def _weights_per_token(model: torch.nn.Module) -> int:
     """Multiply-adds of a token's weight products: every parameter but the input embeddings (a
     lookup), the output head counted even when tied to them."""
-    embed = model.get_input_embeddings().weight
-    head = model.get_output_embeddings().weight
     total = sum(p.numel() for p in model.parameters())  # (a tied tensor once)
-    return total - embed.numel() + (head.numel() if head.data_ptr() == embed.data_ptr() else 0)
+    tied_head = model.get_output_embeddings().weight.numel() if ties_unembedding(model) else 0
+    return total - model.get_input_embeddings().weight.numel() + tied_head
 
 
 def _length(s: _Sample) -> int:
