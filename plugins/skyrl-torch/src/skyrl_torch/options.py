@@ -98,7 +98,7 @@ class TorchEngineOptions:
             "help": "a prefill or decode step whose weight products take fewer multiply-adds than this (tokens fed "
             "x the model's weights per token) runs on one thread, whatever `threads` says: a second thread "
             "gains nothing on so little work and its parallel regions stall whenever another process holds a "
-            "core (measured on 2 cores: a 2-layer 64-wide model at 64 rows, 10M a step, generated as fast on "
+            "core (measured on 2 cores: 2-layer 64-wide models at 64 rows, 8-10M a step, generated as fast on "
             "one thread alone and 1.2-1.3x faster beside a process using a fifth of a core; 128 wide, 42M, "
             "was 1.2x faster on two threads alone); 0: never"
         },
