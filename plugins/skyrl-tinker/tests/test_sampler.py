@@ -32,3 +32,47 @@ def test_a_rested_engine_samples_the_new_weights_exactly_like_one_that_stayed_aw
     assert samples(resting) == adapted and adapted != base  # (negative control: the adapter shows)
     awake.close()
     resting.close()
+
+
+def test_a_load_that_fails_midway_leaves_no_key_and_the_next_load_sets_every_weight_it_touched(tiny_model):
+    """A load that raises after some modules were copied in leaves the engine holding a mix: the
+    same key loaded again must redo it (not return early), and the base model must come back
+    whole, including modules only the failed adapter touched."""
+    from skyrl_core import lora
+
+    trainer = LoraTrainer(tiny_model)
+    trainer.create("a", rank=4, alpha=32.0, groups=("attn",), seed=1)
+    trainer.create("b", rank=4, alpha=32.0, groups=("attn", "mlp"), seed=2)
+    for name in ("a", "b"):
+        for p in trainer.adapters[name].optimizer.param_groups[0]["params"]:
+            p.data.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    base = trainer.base_weights()
+    a, b = trainer.adapter_tensors("a"), trainer.adapter_tensors("b")
+    last = [k for k in b if k.endswith(".lora_A")][-1]
+    broken = {**b, last: torch.zeros(3, 5)}  # the last module's merge fails after the others were copied
+    assert any(".mlp." in n for n in lora.adapted_weight_names(broken)[:-1])  # (it touched modules "a" lacks)
+
+    def bits(sampler: Sampler) -> dict[str, list]:
+        return {n: p.detach().view(torch.int32).flatten().tolist() for n, p in sampler.engine._params.items()}
+
+    sampler = Sampler(build_engine("torch", tiny_model))
+    base_bits = bits(sampler)
+    sampler.load("a", a, base)
+    a_bits = bits(sampler)
+    assert a_bits != base_bits
+    try:
+        sampler.load("b", broken, base)
+    except RuntimeError:
+        pass
+    else:
+        raise AssertionError("the broken adapter loaded")
+    assert bits(sampler) != a_bits  # (the failure left a mix: the checks below are not vacuous)
+    sampler.load("a", a, base)
+    assert bits(sampler) == a_bits
+    try:
+        sampler.load("b", broken, base)
+    except RuntimeError:
+        pass
+    sampler.load(None, None, base)
+    assert bits(sampler) == base_bits
+    sampler.close()

@@ -626,6 +626,54 @@ def test_weights_saved_for_sampling_are_sampled_from_memory_with_the_files_bits(
         service.close()
 
 
+def test_weights_saved_for_sampling_are_merged_into_the_engine_at_the_save_when_it_holds_the_models_last(tiny_model, tmp_path):
+    """The engine holds model A's last sampler checkpoint: A's next one is merged in by the save
+    itself (bit-equal to the merge a sampling request would do), and B's save leaves A's in place."""
+    import threading
+    from types import SimpleNamespace
+
+    from skyrl_core import lora as lora_lib
+    from skyrl_tinker.service import TinkerService
+
+    service = TinkerService(tiny_model, db_url=f"sqlite:///{tmp_path / 'db.sqlite'}", checkpoint_dir=str(tmp_path / "ckpt"))
+
+    def wait(future: dict) -> None:
+        finished = threading.Event()
+        if service.when_finished(future["request_id"], finished.set):
+            assert finished.wait(60)
+
+    def save(model_id: str) -> str:
+        with torch.no_grad():  # (new weights each save)
+            for p in lora_lib.adapter_parameters(service.trainer.model, model_id):
+                p.add_(0.01)
+        wait(service.save_weights_for_sampler("alice", SimpleNamespace(model_id=model_id, kind="snapshot", path=None, user_metadata=None)))
+        return service._sampler_tensors[0]
+
+    def engine_bits() -> dict[str, list]:
+        return {n: p.detach().view(torch.int32).flatten().tolist() for n, p in service._sampler.engine._params.items()}
+
+    try:
+        session = service.create_session("alice", [], None, "test")
+        lora = SimpleNamespace(rank=4, train_attn=True, train_mlp=True, train_unembed=False, seed=3)
+        a, b = (service.create_model("alice", SimpleNamespace(session_id=session, base_model=None, optimizer_config=None,
+                                                              lora_config=lora, model_seq_id=i, user_metadata=None))["model_id"]
+                for i in (0, 1))
+        first = save(a)
+        assert service._sampler is None  # no engine yet: nothing to merge into
+        sampler = service._get_sampler()
+        sampler.load(first, service._sampler_tensors[1], service.trainer.base_weights())  # (a sampling request did)
+        second = save(a)
+        assert sampler.loaded == second and second != first
+        preloaded = engine_bits()
+        sampler.load(None, None, service.trainer.base_weights())
+        sampler.load(second, service._sampler_weights(second, None), service.trainer.base_weights())
+        assert engine_bits() == preloaded  # the merge a sampling request does
+        save(b)
+        assert sampler.loaded == second and engine_bits() == preloaded  # another model's: left alone
+    finally:
+        service.close()
+
+
 def test_a_saved_checkpoints_rows_are_written_with_its_future_in_one_transaction(tiny_model, tmp_path, monkeypatch):
     """The save's work writes its files and returns its rows (checkpoint, sampling session): they
     are committed in the transaction that finishes the future, so a crash between the two cannot

@@ -45,6 +45,9 @@ def build_engine(name: str, model_dir: str, options: dict[str, Any] | None = Non
     return spec.load_factory()(ModelConfig(path=model_dir, dtype=dtype), engine_options(name, options or {}), seed=seed)
 
 
+_PARTIAL = "(a load that did not finish)"  # never a checkpoint path, nor None (the base model)
+
+
 class Sampler:
     def __init__(self, engine: Any, *, full_sets: bool = False, rests: bool = False) -> None:
         self.engine = engine
@@ -78,6 +81,10 @@ class Sampler:
             return
         names = set(lora.adapted_weight_names(tensors)) if tensors else set()
         merged = lora.merged_weights(base, tensors) if tensors else iter(())
+        # Until the update is whole, the engine holds some mix of the old and new weights: a load
+        # that fails midway leaves no key, and every weight either touched is restored or merged
+        # by the next load.
+        self.loaded, self.changed = _PARTIAL, self.changed | names
         if self.full_sets:
             self.engine.update_weights(list({**base, **dict(merged)}.items()))
         else:
