@@ -411,6 +411,53 @@ def test_the_gathers_quiet_window_counts_from_the_last_arrival(tiny_model, tmp_p
         service.close()
 
 
+def test_a_burst_as_large_as_the_models_last_batch_starts_at_its_last_request(tiny_model, tmp_path, monkeypatch):
+    """An RL loop sends the same burst of sampling requests every step: once as many as the model's
+    last burst had have come, the batch starts without a quiet window. A first burst and another
+    model's (the negative control) wait as before; a larger one starts at the last one's size and
+    its extras are gathered as before (one batch, not one each); the next burst expects its size."""
+    import time
+
+    from skyrl_core.types import SamplingParams
+    from skyrl_tinker import service as service_module
+    from skyrl_tinker.service import SampleJob, TinkerService
+
+    quiet = 1.5
+    monkeypatch.setattr(service_module, "SAMPLE_GATHER_QUIET_S", quiet)
+    monkeypatch.setattr(service_module, "SAMPLE_GATHER_MAX_S", 20.0)
+    sampler = RecordingSampler()
+    service = TinkerService(tiny_model, db_url=f"sqlite:///{tmp_path / 'db.sqlite'}", checkpoint_dir=str(tmp_path / "ckpt"))
+    try:
+        service._get_sampler = lambda: sampler
+        service._sampler_weights = lambda path, directory: None
+
+        def burst(model: str, count: int) -> float:
+            """Seconds from the burst's last request to its batch's start."""
+            job = SampleJob(model_path=f"tinker://{model}/sampler_weights/s", checkpoint_dir=None, prompt=[1, 2, 3],
+                            params=SamplingParams(max_tokens=2), prompt_logprobs=False)
+            calls = len(sampler.starts)
+            futures = []
+            for i in range(count):
+                if i:
+                    time.sleep(0.1)
+                futures.append(service.submit("alice", "sample", None, job))
+            last = time.monotonic()
+            deadline = last + 30
+            while any(f["request_id"] in service._pending for f in futures) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert not any(f["request_id"] in service._pending for f in futures)
+            return sampler.starts[calls] - last
+
+        assert burst("m", 4) >= quiet * 0.9  # no last batch: a quiet window
+        assert burst("m", 4) < quiet / 2  # the last burst's count came: no quiet window
+        assert burst("other", 4) >= quiet * 0.9  # another model's count says nothing of this one
+        assert burst("m", 6) < 0  # (the first four started at the fourth)
+        assert burst("m", 6) < quiet / 2  # the last burst had 6 (however it was batched)
+        assert sampler.sizes == [4, 4, 4, 4, 2, 6]  # the larger burst's extras were gathered, then ran
+    finally:
+        service.close()
+
+
 def test_threads_that_hand_computing_over_release_their_openmp_teams(tiny_model, tmp_path, monkeypatch):
     """The thread that built the service (it loaded the model) and the worker (it merged the
     adapter) release their OpenMP teams before the sampling threads compute: an idle team beside a

@@ -84,6 +84,10 @@ MAX_JOINED_SAMPLES = 4 * MAX_SAMPLE_BATCH  # requests one sampling batch takes b
 # a burst that came while the adapter was being merged starts at once), at most SAMPLE_GATHER_MAX_S.
 # The SDK sends a step's ``sample`` calls as one HTTP request each, within a few ms; started at the
 # first, the engine took the others in as joins, each a prefill of its own and a merge into the batch.
+# The wait also ends once as many requests have come as the last burst for the same model's weights
+# had (requests less than SAMPLE_GATHER_QUIET_S apart, counted as they arrive, however they were
+# batched): an RL loop sends the same burst every step, so its last request needs no quiet window
+# after it (a larger burst's extra requests join the running batch, or wait for the next one).
 SAMPLE_GATHER_QUIET_S = 0.01
 SAMPLE_GATHER_MAX_S = 0.05
 
@@ -97,6 +101,27 @@ class SampleJob:
     prompt: list[int]
     params: Any  # skyrl_core.types.SamplingParams
     prompt_logprobs: bool
+
+
+@attrs.define
+class SampleBurst:
+    """One model's sampling requests as they arrive: a burst is requests less than
+    ``SAMPLE_GATHER_QUIET_S`` apart."""
+
+    last: float = float("-inf")  # perf_counter of the latest request
+    count: int = 0  # requests in the current burst
+    previous: int | None = None  # requests in the burst before it (None: none yet)
+
+    def arrived(self, now: float) -> None:
+        if now - self.last > SAMPLE_GATHER_QUIET_S:
+            self.previous = self.count or None
+            self.count = 0
+        self.count += 1
+        self.last = now
+
+    def as_large_as_the_last(self) -> bool:
+        """Exactly as large: one that grew past the last one's size is of unknown size again."""
+        return self.count == self.previous
 
 
 PARTIAL = ".partial"  # a checkpoint being written (skyrl_core.directories publishes it when whole)
@@ -145,6 +170,7 @@ class TinkerService:
         self._queue: queue.Queue = queue.Queue()
         self._arrived = threading.Condition()  # notified on every submission and every finished generate call
         self._last_arrival = 0.0  # perf_counter of the last submission (under self._arrived)
+        self._bursts: dict[str | None, SampleBurst] = {}  # model id (None: the base model) -> its sampling requests' bursts (under self._arrived)
         # Future id -> callbacks to run (on the worker thread) once it is finished: the long-polls
         # waiting for it. A future is in here from submission until it is recorded.
         self._waiters: dict[str, list[Callable[[], None]]] = {}
@@ -170,6 +196,8 @@ class TinkerService:
         with self._arrived:  # (a sampling batch in progress may take it: _run_samples)
             self._queue.put((future_id, work))
             self._last_arrival = time.perf_counter()
+            if isinstance(work, SampleJob):
+                self._bursts.setdefault(_model_of(work.model_path), SampleBurst()).arrived(self._last_arrival)
             self._arrived.notify_all()
         return {"request_id": future_id, "model_id": model_id, **extra}
 
@@ -197,15 +225,19 @@ class TinkerService:
     def _gather_samples(self, first: SampleJob, room: int) -> list[tuple[str, SampleJob]]:
         """Up to ``room`` more sampling requests for ``first``'s weights that arrive while they keep
         coming (``SAMPLE_GATHER_QUIET_S`` apart, for at most ``SAMPLE_GATHER_MAX_S``), so that a
-        burst starts as one engine call; anything else queued ends the wait (order is kept)."""
+        burst starts as one engine call; anything else queued, or a burst as large as the model's
+        last one, ends the wait (order is kept)."""
         gathered: list[tuple[str, SampleJob]] = []
         deadline = time.perf_counter() + SAMPLE_GATHER_MAX_S
         with self._arrived:
+            burst = self._bursts.get(_model_of(first.model_path)) or SampleBurst()
             while len(gathered) < room:
                 more = self._next_samples(first, room - len(gathered))
                 if more:
                     gathered += more
                 elif self._queue.qsize():  # other work (or other weights) is next: do not hold it back
+                    break
+                if burst.as_large_as_the_last():
                     break
                 remaining = min(self._last_arrival + SAMPLE_GATHER_QUIET_S, deadline) - time.perf_counter()
                 if remaining <= 0:
@@ -861,6 +893,11 @@ class TinkerService:
             self._sampler = Sampler(engine, full_sets=self.engine_name != "torch", rests=self.engine_name == "torch")
             print(f"skyrl tinker: sampling engine {self.engine_name!r} started ({type(engine).__module__}, {self.trainer.dtype})", file=sys.stderr, flush=True)
         return self._sampler
+
+
+def _model_of(path: str | None) -> str | None:
+    """The training model a ``tinker://<model id>/...`` checkpoint path belongs to (None: None)."""
+    return None if path is None else path[len("tinker://"):].split("/", 1)[0]
 
 
 def _chunk_tokens(chunk: Any) -> list[int]:
