@@ -10,7 +10,8 @@ def test_store_writes_a_finished_batch_in_one_call_and_touches_its_model(tmp_pat
     store = Store(url)
     store.add(InstanceRow(id="proc1"))
     old = dt.datetime(2020, 1, 1, tzinfo=dt.timezone.utc)
-    store.add(ModelRow(id="m", owner="o", session_id="s", base_model="b", lora_rank=8, lora={}, server_instance="i", last_request=old))
+    for model in ("m", "n"):
+        store.add(ModelRow(id=model, owner="o", session_id="s", base_model="b", lora_rank=8, lora={}, server_instance="i", last_request=old))
     pending = {n: FutureRow(id=n, owner="o", model_id="m" if n == "a" else None, kind="sample", status=PENDING, created=old) for n in "abc"}
     store.finish([(pending["a"], done(proto=b"\x01\x02", seconds=0.5)), (pending["b"], failed("bad prompt", "user"))])
     assert pending["a"].status == PENDING  # the in-memory pending row is not the written one
@@ -20,7 +21,8 @@ def test_store_writes_a_finished_batch_in_one_call_and_touches_its_model(tmp_pat
     assert (rows["a"].status, rows["a"].result_proto, rows["a"].result_json, rows["a"].seconds) == (DONE, b"\x01\x02", None, 0.5)
     assert (rows["b"].status, rows["b"].error, rows["b"].category) == (FAILED, "bad prompt", "user")
     assert rows["a"].finished is not None and rows["b"].finished is not None
-    assert reopened.get(ModelRow, "m").last_request.replace(tzinfo=dt.timezone.utc) > old
+    assert reopened.get(ModelRow, "m").last_request.replace(tzinfo=dt.timezone.utc) == rows["a"].finished.replace(tzinfo=dt.timezone.utc)
+    assert reopened.get(ModelRow, "n").last_request.replace(tzinfo=dt.timezone.utc) == old  # no future of its finished
     assert reopened.is_recorded_instance("proc1") and not reopened.is_recorded_instance("proc2")
 
 
