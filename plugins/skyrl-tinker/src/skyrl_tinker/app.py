@@ -35,6 +35,41 @@ def owner_of(key: str | None) -> str:
     return "anonymous" if not key else hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
+class Guard:
+    """Refuses a request before any route runs: a declared body over ``max_body_bytes`` (413) or,
+    with ``api_keys``, a missing or unknown key (401, except for the health check); gives the
+    routes the key's owner (``request.state.owner``).
+
+    A plain ASGI middleware: starlette's ``BaseHTTPMiddleware`` runs every request through a task
+    group and memory streams of its own, event-loop time that the worker and sampling threads wait
+    for (the GIL) on each of the two dozen requests of an RL step."""
+
+    def __init__(self, app: Any, *, api_keys: set[str] | None, max_body_bytes: int) -> None:
+        self.app, self.api_keys, self.max_body_bytes = app, api_keys, max_body_bytes
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = key = None
+        for name, value in scope["headers"]:  # (names are lower case in ASGI; the first of a repeated one counts)
+            if name == b"content-length" and length is None:
+                length = value.decode("latin-1")
+            elif name == b"x-api-key" and key is None:
+                key = value.decode("latin-1")
+        refusal = None
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            refusal = error(413, f"request body of {length} bytes exceeds the server's limit of {self.max_body_bytes} bytes")
+        elif self.api_keys is not None and scope["path"] != f"{API}/healthz":
+            if not key:
+                refusal = error(401, "missing API key (header X-API-Key)")
+            elif key not in self.api_keys:
+                refusal = error(401, "invalid API key")
+        if refusal is not None:
+            return await refusal(scope, receive, send)
+        scope.setdefault("state", {})["owner"] = owner_of(key)
+        await self.app(scope, receive, send)
+
+
 def create_app(service: TinkerService, *, api_keys: set[str] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     from pydantic import ValidationError
     from tinker import types
@@ -42,19 +77,7 @@ def create_app(service: TinkerService, *, api_keys: set[str] | None = None, max_
     app = FastAPI(title="skyrl Tinker server")
     app.state.service = service
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next: Callable) -> Response:
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > max_body_bytes:
-            return error(413, f"request body of {length} bytes exceeds the server's limit of {max_body_bytes} bytes")
-        key = request.headers.get("x-api-key")
-        if api_keys is not None and request.url.path != f"{API}/healthz":
-            if not key:
-                return error(401, "missing API key (header X-API-Key)")
-            if key not in api_keys:
-                return error(401, "invalid API key")
-        request.state.owner = owner_of(key)
-        return await call_next(request)
+    app.add_middleware(Guard, api_keys=api_keys, max_body_bytes=max_body_bytes)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
