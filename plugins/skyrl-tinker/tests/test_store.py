@@ -46,3 +46,66 @@ def test_a_starting_server_puts_back_a_checkpoint_an_interrupted_overwrite_moved
         assert (directory / "adapter.safetensors").read_text() == "old"
     finally:
         service.close()
+
+
+def test_rows_read_by_key_come_from_memory_and_stay_the_databases(tmp_path):
+    """Futures, sampling sessions and checkpoints are read by key without a query once written or
+    read; every write through the store keeps that copy the database's (a fresh store, which
+    reads the file, agrees); a deleted or replaced one is never served stale."""
+    from sqlalchemy import event
+
+    from skyrl_tinker.store import CheckpointRow, SamplingSessionRow
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    store = Store(url)
+    queries: list[str] = []
+    event.listen(store.engine, "before_cursor_execute", lambda conn, cursor, statement, *rest: queries.append(statement))
+
+    def checkpoint(size: int) -> CheckpointRow:
+        return CheckpointRow(tinker_path="tinker://m/weights/a", owner="o", model_id="m", kind="training",
+                             checkpoint_id="weights/a", directory="/d", size_bytes=size, created=dt.datetime(2021, 1, 1))
+
+    old = dt.datetime(2020, 1, 1, tzinfo=dt.timezone.utc)
+    store.add(SamplingSessionRow(id="s1", owner="o", session_id="x", base_model="b", model_path=None))
+    store.put([checkpoint(3)])
+    store.finish([(FutureRow(id="f", owner="o", model_id=None, kind="sample", status=PENDING, created=old), done(proto=b"\x07", seconds=1.0))])
+    queries.clear()
+    assert store.get(SamplingSessionRow, "s1").session_id == "x"
+    assert store.get(CheckpointRow, "tinker://m/weights/a").size_bytes == 3
+    future = store.get(FutureRow, "f")
+    assert (future.status, future.result_proto, future.owner, future.finished is not None) == (DONE, b"\x07", "o", True)
+    assert queries == []  # all from memory
+    assert store.get(ModelRow, "nobody") is None and len(queries) == 1  # (other tables are read from the file)
+
+    store.put([checkpoint(5)])  # replaced
+    assert store.get(CheckpointRow, "tinker://m/weights/a").size_bytes == 5
+    fresh = Store(url)
+    assert fresh.get(CheckpointRow, "tinker://m/weights/a").size_bytes == 5
+    assert fresh.get(FutureRow, "f").result_proto == b"\x07" and fresh.get(SamplingSessionRow, "s1").owner == "o"
+    store.delete(CheckpointRow, "tinker://m/weights/a")
+    assert store.get(CheckpointRow, "tinker://m/weights/a") is None
+    assert Store(url).get(CheckpointRow, "tinker://m/weights/a") is None
+    store.update(SamplingSessionRow, "s1", model_path="tinker://m/sampler_weights/b")
+    assert store.get(SamplingSessionRow, "s1").model_path == "tinker://m/sampler_weights/b"
+
+
+def test_the_row_cache_drops_the_least_recently_used_beyond_its_rows_and_result_bytes():
+    from skyrl_tinker.store import RowCache
+
+    def future(name: str, size: int) -> FutureRow:
+        return FutureRow(id=name, owner="o", kind="sample", status=DONE, result_proto=b"x" * size)
+
+    cache = RowCache(max_rows=3, max_bytes=100)
+    for name in "abc":
+        cache.put(future(name, 10))
+    assert cache.get(FutureRow, "a") is not None  # a is now the most recent
+    cache.put(future("d", 10))
+    assert [n for n in "abcd" if cache.get(FutureRow, n) is not None] == ["a", "c", "d"]  # b was the least recent
+    cache.put(future("e", 85))  # 10 + 10 + 10 + 85 bytes > 100: the oldest (a, then c) go until it fits
+    assert [n for n in "acde" if cache.get(FutureRow, n) is not None] == ["d", "e"]
+    cache.put(future("huge", 101))  # larger than the whole budget: not kept, nothing else dropped for it
+    assert cache.get(FutureRow, "huge") is None and cache.get(FutureRow, "e") is not None
+    cache.put(future("e", 5))  # replacing a row counts its new size only
+    assert cache._bytes == 10 + 5
+    cache.drop(FutureRow, "e")
+    assert cache.get(FutureRow, "e") is None and cache._bytes == 10

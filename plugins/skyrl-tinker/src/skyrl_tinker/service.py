@@ -744,9 +744,7 @@ class TinkerService:
 
     def delete_checkpoint(self, owner: str, model_id: str, checkpoint_id: str) -> None:
         row = self._checkpoint(owner, f"tinker://{model_id}/{checkpoint_id}")
-        with self.store._lock, self.store.session() as s:
-            s.delete(s.get(CheckpointRow, row.tinker_path))
-            s.commit()
+        self.store.delete(CheckpointRow, row.tinker_path)
         shutil.rmtree(row.directory, ignore_errors=True)
 
     # --- listing ------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ process that has no row is work that process never finished, reported failed, ne
 
 from __future__ import annotations
 
+import collections
 import datetime as dt
 import json
 import threading
@@ -107,8 +108,60 @@ class SamplingSessionRow(Base):
 _PENDING_COLUMNS = ("id", "owner", "model_id", "kind", "sampling_session", "created")  # a pending future's own
 
 
+class RowCache:
+    """Rows by class and primary key, the least recently used dropped beyond ``max_rows`` rows or
+    ``max_bytes`` of futures' results. Thread-safe."""
+
+    def __init__(self, max_rows: int = 4096, max_bytes: int = 64 * 1024 * 1024) -> None:
+        self.max_rows, self.max_bytes = max_rows, max_bytes
+        self._rows: collections.OrderedDict[tuple[type, str], tuple[Any, int]] = collections.OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def get(self, cls: type, key: str) -> Any:
+        with self._lock:
+            entry = self._rows.get((cls, key))
+            if entry is None:
+                return None
+            self._rows.move_to_end((cls, key))
+            return entry[0]
+
+    def put(self, row: Any) -> None:
+        size = len(getattr(row, "result_proto", None) or getattr(row, "result_json", None) or b"")
+        with self._lock:
+            self._drop(type(row), row_key(row))
+            if size > self.max_bytes:
+                return
+            self._rows[(type(row), row_key(row))] = (row, size)
+            self._bytes += size
+            while len(self._rows) > self.max_rows or self._bytes > self.max_bytes:
+                _, (_, dropped) = self._rows.popitem(last=False)
+                self._bytes -= dropped
+
+    def drop(self, cls: type, key: str) -> None:
+        with self._lock:
+            self._drop(cls, key)
+
+    def _drop(self, cls: type, key: str) -> None:
+        entry = self._rows.pop((cls, key), None)
+        if entry is not None:
+            self._bytes -= entry[1]
+
+
+def row_key(row: Any) -> str:
+    return row.tinker_path if isinstance(row, CheckpointRow) else row.id
+
+
 class Store:
-    """Thin transactional helpers over the tables (thread-safe: one session per call)."""
+    """Thin transactional helpers over the tables (thread-safe: one session per call).
+
+    Reads by key of the rows the hot paths look up (futures, sampling sessions, checkpoints) come
+    from memory once written or read: every write goes through these methods, which keep that copy
+    the database's (one server process owns its database). Each request of an RL step looked one or
+    two up, and an ORM read holds the GIL for about half a millisecond on the event loop's thread,
+    which the worker and sampling threads wait for."""
+
+    CACHED = (FutureRow, SamplingSessionRow, CheckpointRow)
 
     def __init__(self, url: str) -> None:
         self.engine = create_engine(url, connect_args={"check_same_thread": False})
@@ -122,6 +175,7 @@ class Store:
 
         Base.metadata.create_all(self.engine)
         self._lock = threading.Lock()
+        self._cache = RowCache()
 
     def session(self) -> Session:
         return Session(self.engine, expire_on_commit=False)
@@ -130,10 +184,29 @@ class Store:
         with self._lock, self.session() as s:
             s.add(row)
             s.commit()
+            self._cached(row)
 
     def get(self, cls: type, key: str) -> Any:
-        with self.session() as s:
-            return s.get(cls, key)
+        """The row of that primary key (None: none). Do not change it: it may be the cached copy."""
+        row = self._cache.get(cls, key) if cls in self.CACHED else None
+        if row is None:
+            with self.session() as s:
+                row = s.get(cls, key)
+            if row is not None:
+                self._cached(row)
+        return row
+
+    def _cached(self, row: Any) -> None:
+        if isinstance(row, self.CACHED):
+            self._cache.put(row)
+
+    def delete(self, cls: type, key: str) -> None:
+        with self._lock, self.session() as s:
+            row = s.get(cls, key)
+            if row is not None:
+                s.delete(row)
+            s.commit()
+            self._cache.drop(cls, key)
 
     def rows(self, cls: type, **where: Any) -> list[Any]:
         with self.session() as s:
@@ -149,6 +222,7 @@ class Store:
                 for column, value in values.items():
                     setattr(row, column, value)
                 s.commit()
+            self._cache.drop(cls, key)
 
     def count(self, cls: type) -> int:
         with self.session() as s:
@@ -157,9 +231,10 @@ class Store:
     def put(self, rows: list[Base]) -> None:
         """Insert or replace ``rows`` (by primary key) in one transaction."""
         with self._lock, self.session() as s:
-            for row in rows:
-                s.merge(row)
+            merged = [s.merge(row) for row in rows]
             s.commit()
+            for row in merged:
+                self._cached(row)
 
     def finish(self, outcomes: list[tuple[FutureRow, dict[str, Any]]], rows: Sequence[Base] = ()) -> None:
         """Write finished futures (each a pending row, not in the database, and the columns
@@ -169,16 +244,19 @@ class Store:
         # (Statements, not ORM objects: a unit of work per future and a SELECT per model were half
         # of this call's time, which every request's result waits for.)
         with self._lock, self.session() as s:
-            for row in rows:
-                s.merge(row)
+            merged = [s.merge(row) for row in rows]
             stamp = now()
-            if outcomes:
-                s.execute(insert(FutureRow), [{**{c: getattr(pending, c) for c in _PENDING_COLUMNS}, **values, "finished": stamp}
-                                              for pending, values in outcomes])
+            finished = [{**{c: getattr(pending, c) for c in _PENDING_COLUMNS}, **values, "finished": stamp} for pending, values in outcomes]
+            if finished:
+                s.execute(insert(FutureRow), finished)
             models = {pending.model_id for pending, _ in outcomes if pending.model_id}
             if models:
                 s.execute(update(ModelRow).where(ModelRow.id.in_(models)).values(last_request=stamp))
             s.commit()
+            for row in merged:
+                self._cached(row)
+            for columns in finished:
+                self._cache.put(FutureRow(**columns))
 
     def is_recorded_instance(self, instance_id: str) -> bool:
         return self.get(InstanceRow, instance_id) is not None
