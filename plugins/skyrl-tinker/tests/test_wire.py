@@ -41,6 +41,31 @@ def test_garbage_and_unknown_encodings_are_refused():
         decode_forward_backward(b"", "gzip")
 
 
+def test_a_tensor_whose_shape_or_bytes_do_not_fit_its_values_is_refused_naming_the_field():
+    from tinker.proto import tinker_public_pb2 as pb
+
+    def body(shape: list[int], raw: bytes) -> bytes:
+        request = types.ForwardBackwardRequest(
+            forward_backward_input=types.ForwardBackwardInput(
+                data=[types.Datum(model_input=types.ModelInput.from_ints([5, 6]), loss_fn_inputs={"target_tokens": [6, 7]})],
+                loss_fn="cross_entropy"),
+            model_id="s:train:0", seq_id=1)
+        msg = forward_backward_request_to_proto(request)
+        tensor = msg.data[0].loss_fn_inputs["target_tokens"]
+        tensor.dtype, tensor.dense = pb.DTYPE_INT64, raw
+        del tensor.shape[:]
+        tensor.shape.extend(shape)
+        return msg.SerializeToString()
+
+    two = np.array([6, 7], dtype=np.int64).tobytes()
+    assert decode_forward_backward(body([2], two), None).data[0].inputs["target_tokens"].tolist() == [6, 7]
+    assert decode_forward_backward(body([1, 2], two), None).data[0].inputs["target_tokens"].tolist() == [6, 7]
+    with pytest.raises(WireError, match=r"data\[0\]\.loss_fn_inputs\.target_tokens: shape \[3\] does not hold 2 values"):
+        decode_forward_backward(body([3], two), None)
+    with pytest.raises(WireError, match=r"target_tokens: 12 bytes is not a whole number of int64 values"):
+        decode_forward_backward(body([2], two[:12]), None)
+
+
 def test_outputs_decode_in_the_sdk_bit_for_bit():
     logprobs = [np.array([-1.0, -2.5, 1e-8], dtype=np.float32), np.array([-0.125], dtype=np.float32)]
     out = deserialize_forward_backward_output(encode_forward_backward_output(logprobs, {"loss:sum": 4.5}))
