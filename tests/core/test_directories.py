@@ -52,3 +52,25 @@ def test_publishing_where_nothing_was(tmp_path):
     publish_directory(str(new), str(tmp_path / "target"))
     assert (tmp_path / "target" / "weights.safetensors").read_text() == "only"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["target"]
+
+
+def test_the_new_copy_is_on_disk_before_its_rename_and_the_rename_after(tmp_path, monkeypatch):
+    """Every file and directory of the new copy is fsynced before it is renamed into place, and
+    the parent (the renames) after: a record written once publish returns cannot point at files a
+    power cut lost."""
+    target, new = tmp_path / "step", tmp_path / "step.partial"
+    _write(target, "old")
+    _write(new / "shards", "new")
+    (new / "meta.json").write_text("{}")
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(directories.os, "fsync", lambda fd: events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))) or real_fsync(fd))
+    monkeypatch.setattr(directories.os, "replace", lambda a, b: events.append(("replace", str(a))) or real_replace(a, b))
+    publish_directory(str(new), str(target))
+    synced = [path for kind, path in events if kind == "fsync"]
+    renamed = events.index(("replace", str(new)))
+    before = {path for kind, path in events[:renamed] if kind == "fsync"}
+    assert before == {str(new / "shards" / "weights.safetensors"), str(new / "shards"), str(new / "meta.json"), str(new)}
+    assert synced.index(str(new / "shards" / "weights.safetensors")) < synced.index(str(new / "shards")) < synced.index(str(new))
+    assert events[renamed + 1:] == [("fsync", str(tmp_path))]  # the renames, after them
+    assert (target / "shards" / "weights.safetensors").read_text() == "new"
