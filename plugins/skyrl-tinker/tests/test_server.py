@@ -233,6 +233,11 @@ def test_bad_input_gets_a_clear_4xx_and_the_server_keeps_serving(server, connect
         assert r.status_code == 400 and "token id 9999 is outside the vocabulary [0, 512)" in r.text
         r = http.post("/api/v1/forward_backward", content=b"\0" * (MAX_BODY + 1), headers=proto)
         assert r.status_code == 413 and f"limit of {MAX_BODY} bytes" in r.text
+        chunked = (b"\0" * 65536 for _ in range(2 * MAX_BODY // 65536))  # (no Content-Length: measured as it is read)
+        r = http.post("/api/v1/forward_backward", content=chunked, headers=proto)
+        assert r.status_code == 413 and f"limit of {MAX_BODY} bytes (sent without a length)" in r.text
+        r = http.post("/api/v1/weights_info", content=b"{not json", headers=HEADERS)
+        assert r.status_code == 422 and "body: not JSON" in r.text
         r = http.post("/api/v1/optim_step", json={"model_id": tc.model_id, "adam_params": {"learning_rate": "fast"}}, headers=HEADERS)
         assert r.status_code == 422 and "adam_params.AdamParams.learning_rate: Input should be a valid number" in r.text
         r = http.post("/api/v1/optim_step", json={"model_id": tc.model_id, "adam_params": {"learning_rate": -1.0}}, headers=HEADERS)
@@ -433,3 +438,26 @@ def test_training_runs_on_the_fsdp_backend_through_the_sdk(server, connect, tiny
         proto = {"Content-Type": "application/x-protobuf", **HEADERS}
         r = http.post("/api/v1/forward_backward", content=_raw_forward_backward(tc.model_id, [shifted]), headers=proto)
         assert r.status_code == 400 and "target_tokens[i] == model_input[i + 1]" in r.text
+
+
+def test_a_body_without_a_length_is_refused_once_it_passes_the_limit_not_read_whole():
+    import asyncio
+
+    from skyrl_tinker.app import read_body
+    from skyrl_tinker.service import TinkerError
+
+    class Streamed:
+        def __init__(self, chunks: int) -> None:
+            self.chunks, self.pulled = chunks, 0
+
+        async def stream(self):
+            for _ in range(self.chunks):
+                self.pulled += 1
+                yield b"x" * 100
+
+    small = Streamed(3)
+    assert asyncio.run(read_body(small, 300)) == b"x" * 300  # at the limit: accepted
+    huge = Streamed(10_000)
+    with pytest.raises(TinkerError, match="limit of 250 bytes") as refused:
+        asyncio.run(read_body(huge, 250))
+    assert refused.value.status == 413 and huge.pulled == 3  # stopped at the chunk that passed it

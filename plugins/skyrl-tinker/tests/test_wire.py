@@ -78,3 +78,4 @@ def test_outputs_decode_in_the_sdk_bit_for_bit():
     assert [s.stop_reason for s in sample.sequences] == ["stop", "length"]
     assert sample.sequences[0].tokens == [3, 4] and sample.sequences[0].logprobs == [-0.5, -1.25]
     assert np.isnan(sample.prompt_logprobs_np[0]) and sample.prompt_logprobs_np[1] == -1.0
+

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 from typing import Any, Callable
 
 from fastapi import FastAPI, Request
@@ -33,6 +34,18 @@ def error(status: int, message: str) -> JSONResponse:
 
 def owner_of(key: str | None) -> str:
     return "anonymous" if not key else hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+async def read_body(request: Any, limit: int) -> bytes:
+    """The request's body, refused with 413 as soon as it passes ``limit`` bytes: a chunked body
+    has no Content-Length for ``Guard`` to check, and is not held whole before it is measured."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise TinkerError(f"request body exceeds the server's limit of {limit} bytes (sent without a length)", status=413)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 class Guard:
@@ -92,10 +105,7 @@ def create_app(service: TinkerService, *, api_keys: set[str] | None = None, max_
         return error(exc.status, str(exc))
 
     async def read(request: Request) -> bytes:
-        raw = await request.body()  # (a chunked body has no Content-Length for the middleware to check)
-        if len(raw) > max_body_bytes:
-            raise TinkerError(f"request body of {len(raw)} bytes exceeds the server's limit of {max_body_bytes} bytes", status=413)
-        return raw
+        return await read_body(request, max_body_bytes)
 
     async def body(request: Request, model: type) -> Any:
         raw = await read(request)
@@ -275,7 +285,10 @@ def create_app(service: TinkerService, *, api_keys: set[str] | None = None, max_
 
     @app.post(f"{API}/weights_info")
     async def weights_info(request: Request) -> dict:
-        data = await request.json()
+        try:
+            data = json.loads(await read(request) or b"null")
+        except ValueError:
+            raise TinkerError("body: not JSON", status=422) from None
         path = data.get("tinker_path") if isinstance(data, dict) else None
         if not isinstance(path, str):
             raise TinkerError("tinker_path: required (a tinker:// path)", status=422)
