@@ -238,6 +238,11 @@ def test_bad_input_gets_a_clear_4xx_and_the_server_keeps_serving(server, connect
         assert r.status_code == 413 and f"limit of {MAX_BODY} bytes (sent without a length)" in r.text
         r = http.post("/api/v1/weights_info", content=b"{not json", headers=HEADERS)
         assert r.status_code == 422 and "body: not JSON" in r.text
+        r = http.get("/api/v1/training_runs", params={"limit": -1}, headers=HEADERS)
+        assert r.status_code == 422 and "query.limit: must be >= 0; got -1" in r.text
+        r = http.get("/api/v1/checkpoints", params={"offset": "abc"}, headers=HEADERS)
+        assert r.status_code == 422 and "query.offset: Input should be a valid integer" in r.text and r.headers["x-should-retry"] == "false"
+        assert http.get("/api/v1/training_runs", params={"limit": 1, "offset": 0}, headers=HEADERS).json()["cursor"]["limit"] == 1
         r = http.post("/api/v1/optim_step", json={"model_id": tc.model_id, "adam_params": {"learning_rate": "fast"}}, headers=HEADERS)
         assert r.status_code == 422 and "adam_params.AdamParams.learning_rate: Input should be a valid number" in r.text
         r = http.post("/api/v1/optim_step", json={"model_id": tc.model_id, "adam_params": {"learning_rate": -1.0}}, headers=HEADERS)

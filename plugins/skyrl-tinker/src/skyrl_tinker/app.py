@@ -14,6 +14,7 @@ import json
 from typing import Any, Callable
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -100,6 +101,11 @@ def create_app(service: TinkerService, *, api_keys: set[str] | None = None, max_
             return error(405, f"{request.url.path} does not accept {request.method}")
         return error(exc.status_code, str(exc.detail))
 
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()[:8])
+        return error(422, problems)
+
     @app.exception_handler(TinkerError)
     async def refused(request: Request, exc: TinkerError) -> JSONResponse:
         return error(exc.status, str(exc))
@@ -119,6 +125,12 @@ def create_app(service: TinkerService, *, api_keys: set[str] | None = None, max_
 
     def owner(request: Request) -> str:
         return request.state.owner
+
+    def paged(limit: int, offset: int) -> tuple[int, int]:
+        for name, value in (("limit", limit), ("offset", offset)):
+            if value < 0:
+                raise TinkerError(f"query.{name}: must be >= 0; got {value}", status=422)
+        return limit, offset
 
     # --- service --------------------------------------------------------------------------------------
 
@@ -263,7 +275,7 @@ def create_app(service: TinkerService, *, api_keys: set[str] | None = None, max_
 
     @app.get(f"{API}/training_runs")
     async def training_runs(request: Request, limit: int = 20, offset: int = 0) -> dict:
-        return service.training_runs(owner(request), limit, offset)
+        return service.training_runs(owner(request), *paged(limit, offset))
 
     @app.get(f"{API}/training_runs/{{model_id}}")
     async def training_run(request: Request, model_id: str) -> dict:
@@ -280,6 +292,7 @@ def create_app(service: TinkerService, *, api_keys: set[str] | None = None, max_
 
     @app.get(f"{API}/checkpoints")
     async def checkpoints(request: Request, limit: int = 100, offset: int = 0) -> dict:
+        limit, offset = paged(limit, offset)
         rows = service.checkpoints(owner(request))
         return {"checkpoints": rows[offset : offset + limit], "cursor": {"offset": offset, "limit": limit, "total_count": len(rows)}}
 
