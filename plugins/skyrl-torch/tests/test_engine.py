@@ -302,8 +302,8 @@ def test_prepacked_gemm_operands_give_the_plain_weights_bits_and_follow_update_w
     go stale)."""
     model = attrs.evolve(MODEL, dtype=dtype)
 
-    def make(**options) -> TorchEngine:
-        return TorchEngine(model, TorchEngineOptions(**options), seed=0)
+    def make(**options) -> TorchEngine:  # (every product on oneDNN: the tiny model's would go through torch)
+        return TorchEngine(model, TorchEngineOptions(torch_gemm_below_macs=0, **options), seed=0)
 
     packed, plain, stale = make(), make(prepack_weights=False), make()
     expected = 2 * 4 + 1  # qkv, o, gate_up, down; lm_head
@@ -320,6 +320,36 @@ def test_prepacked_gemm_operands_give_the_plain_weights_bits_and_follow_update_w
     if dtype == "float32":  # bf16 logprobs are checked against a reference in test_bf16_* below
         assert_logprobs_match(new, [s for g in after for s in g])
     assert not torch.equal(_bits(stale.generate(requests)), _bits(after))
+
+
+def test_products_below_torch_gemm_below_macs_go_through_torch_and_the_rest_through_onednn(reference, monkeypatch):
+    """Each fp32 product picks its GEMM by its multiply-adds (rows x in x out): below
+    ``torch_gemm_below_macs`` torch on the weight itself, else oneDNN on the packed copy. The tiny
+    model's products straddle 2^20 at 64 rows and fall below it as samples finish."""
+    from skyrl_torch import native_decoder
+
+    requests = [request(prompt(3, i), f"r{i}", n=8, seed=i, max_tokens=2 + 2 * i) for i in range(8)]
+    to_torch: list[int] = []
+    real_linear, real_residual = native_decoder._torch_linear, native_decoder._torch_residual_linear
+    monkeypatch.setattr(native_decoder, "_torch_linear", lambda x, w, b=None: to_torch.append(x.numel() * w.shape[0]) or real_linear(x, w, b))
+    monkeypatch.setattr(native_decoder, "_torch_residual_linear",
+                        lambda r, x, w, b: to_torch.append(x.numel() * w.shape[0]) or real_residual(r, x, w, b))
+
+    def run(limit: int) -> tuple[list[int], list[int], list]:
+        eng = engine(torch_gemm_below_macs=limit)
+        to_onednn: list[int] = []
+        onednn, onednn_add = eng.native._linear, eng.native._residual_linear
+        eng.native._linear = lambda x, w, b=None: to_onednn.append(x.numel() * w.shape[0]) or onednn(x, w, b)
+        eng.native._residual_linear = lambda r, x, w, b: to_onednn.append(x.numel() * w.shape[0]) or onednn_add(r, x, w, b)
+        to_torch.clear()
+        samples = [s for g in eng.generate(requests) for s in g]
+        return list(to_torch), to_onednn, samples
+
+    limit = 1 << 20
+    small, large, samples = run(limit)
+    assert small and large and max(small) < limit <= min(large)
+    assert_logprobs_match(reference, samples)
+    assert run(0)[0] == [] and run(1 << 40)[1] == []  # 0: every product on oneDNN; above all: none
 
 
 def test_native_refused_for_an_unsupported_architecture():
@@ -391,7 +421,8 @@ def test_threads_beside_training_is_refused_for_an_engine_in_its_own_process():
     [("max_num_seqs", 0, "max_num_seqs must be an integer >= 1"), ("implementation", "fast", "implementation must be one of"),
      ("attention", "flash", "attention must be one of"), ("max_model_len", -1, "max_model_len must be"),
      ("prepack_weights", "yes", "prepack_weights must be true or false"), ("threads", 0, "threads must be"),
-     ("threads_beside_training", 0, "threads_beside_training must be"), ("one_thread_below_macs", -1, "one_thread_below_macs must be")],
+     ("threads_beside_training", 0, "threads_beside_training must be"), ("one_thread_below_macs", -1, "one_thread_below_macs must be"),
+     ("torch_gemm_below_macs", -2, "torch_gemm_below_macs must be")],
 )
 def test_options_are_validated(field, value, message):
     with pytest.raises(ValueError, match=message):

@@ -723,7 +723,8 @@ class TorchEngine:
                     gemm = "onednn"
                 elif self.model.dtype == torch.bfloat16 and onednn_computes(torch.float32):
                     gemm = "onednn_fp32"
-            return NativeDecoder(self.model, gemm=gemm, prepack_weights=self.options.prepack_weights)
+            return NativeDecoder(self.model, gemm=gemm, prepack_weights=self.options.prepack_weights,
+                                 torch_below_macs=self.options.torch_gemm_below_macs)
         if reason is None:
             missing = missing_ops(self.ledger)
             if not missing:

@@ -203,7 +203,7 @@ def _fp32_copy(prepack_weights: bool) -> Callable[[torch.Tensor], torch.Tensor |
 class NativeDecoder:
     """Forward of ``model`` over a ``SlotKVCache``, returning last-token logits."""
 
-    def __init__(self, model: torch.nn.Module, *, gemm: str = "torch", prepack_weights: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module, *, gemm: str = "torch", prepack_weights: bool = False, torch_below_macs: int = 0) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise NotImplementedError(f"NativeDecoder cannot run this model: {reason}")
@@ -218,6 +218,10 @@ class NativeDecoder:
         self._linear = {"onednn": mm_nt, "torch": _torch_linear, "onednn_fp32": _fp32_linear}[gemm]
         self._residual_linear = {"onednn": _onednn_residual_linear, "torch": _torch_residual_linear,
                                  "onednn_fp32": _fp32_residual_linear}[gemm]
+        # fp32 products of fewer multiply-adds than this go through torch (F.linear / addmm on the
+        # weights themselves): below about 2M a call, oneDNN's per-call cost outweighs its faster
+        # kernel (skyrl-torch's `torch_gemm_below_macs`)
+        self.torch_below_macs = torch_below_macs if gemm == "onednn" and model.dtype == torch.float32 else 0
         body = model.model
         self.embed = body.embed_tokens
         self.rotary = body.rotary_emb
@@ -264,7 +268,7 @@ class NativeDecoder:
             threads.serial()
             x = _rms_norm(h, layer.input_norm)
             threads.parallel()
-            qkv = self._linear(x, layer.qkv_gemm, layer.qkv_bias)
+            qkv = self._project(x, layer.qkv_gemm, layer.qkv_weight, layer.qkv_bias)
             threads.serial()
             v = qkv[..., qs + kvs :].unflatten(-1, (-1, d))
             if layer.q_norm is None:
@@ -286,19 +290,33 @@ class NativeDecoder:
                     q.transpose(1, 2), keys, values, attn_mask=mask, scale=layer.scaling, enable_gqa=True
                 ).transpose(1, 2)
             threads.parallel()
-            h = self._residual_linear(h, attn.reshape(n, q_len, -1), layer.o_gemm, layer.o_proj.bias)
+            h = self._project_onto(h, attn.reshape(n, q_len, -1), layer.o_gemm, layer.o_proj.weight, layer.o_proj.bias)
             threads.serial()
             x = _rms_norm(h, layer.post_norm)
             threads.parallel()
-            gate, up = self._linear(x, layer.gate_up_gemm, layer.gate_up_bias).chunk(2, dim=-1)
+            gate, up = self._project(x, layer.gate_up_gemm, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)
             threads.serial()
             act = F.silu(gate).mul_(up)
             threads.parallel()
-            h = self._residual_linear(h, act, layer.down_gemm, layer.down_proj.bias)
+            h = self._project_onto(h, act, layer.down_gemm, layer.down_proj.weight, layer.down_proj.bias)
         threads.serial()
         last = _rms_norm(h[:, -1], self.final_norm)
         threads.parallel()
-        return self._linear(last, self.lm_head_gemm)
+        return self._project(last, self.lm_head_gemm, self.lm_head.weight, None)
+
+    def _project(self, x: torch.Tensor, operand: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ weight.T (+ bias)``: by the chosen GEMM on its ``operand`` (``weight`` or a packed
+        copy of it), or by torch on ``weight`` when the product is small (``torch_below_macs``)."""
+        if x.numel() * weight.shape[0] < self.torch_below_macs:
+            return _torch_linear(x, weight, bias)
+        return self._linear(x, operand, bias)
+
+    def _project_onto(self, residual: torch.Tensor, x: torch.Tensor, operand: torch.Tensor, weight: torch.Tensor,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+        """``residual + x @ weight.T (+ bias)``, chosen as ``_project`` chooses."""
+        if x.numel() * weight.shape[0] < self.torch_below_macs:
+            return _torch_residual_linear(residual, x, weight, bias)
+        return self._residual_linear(residual, x, operand, bias)
 
 
 class ProjectionThreads:

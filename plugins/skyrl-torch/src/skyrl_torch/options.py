@@ -71,6 +71,16 @@ class TorchEngineOptions:
             "each weight update; a second copy of the projection weights in memory): false saves that memory"
         },
     )
+    torch_gemm_below_macs: int = attrs.field(
+        default=1 << 21,
+        validator=non_negative_int,
+        metadata={
+            "help": "with cpu_gemm=onednn, an fp32 product of the native implementation with fewer multiply-adds "
+            "than this (rows x in x out) goes through torch (F.linear / addmm) instead: oneDNN's per-call cost "
+            "outweighs its faster kernel there (measured per product on 2 cores: torch 0.57-0.90x oneDNN's time "
+            "at 0.5-2.1M, 1.02-1.22x at 4.2M; a tiny 64-wide Qwen3 generates in 0.86x the time); 0: never"
+        },
+    )
     attention: str = attrs.field(
         default="sdpa",
         validator=one_of(*ATTENTION_KINDS),
