@@ -876,12 +876,12 @@ class TinkerService:
         left in place (two adapters' loops would swap them twice a step), and a failure here is
         left to the sampling request that needs these weights to report."""
         sampler = self._sampler
-        if sampler is None or sampler.loaded is None or not sampler.loaded.startswith(f"tinker://{model_id}/"):
+        if sampler is None or sampler.loaded is None or _model_of(sampler.loaded) != model_id:
             return
         try:
             sampler.load(path, tensors, self.trainer.hf_weights() if sampler.full_sets else self.trainer.base_weights())
-        except Exception:  # noqa: BLE001 - the sampling request retries the load and reports it
-            pass
+        except Exception as error:  # noqa: BLE001 - the sampling request retries the load and reports it
+            log.warning("merging %s into the sampler failed (its first sampling request retries): %s", path, error)
 
     def _get_sampler(self) -> Any:
         if self._sampler is None:
