@@ -76,3 +76,30 @@ def test_a_load_that_fails_midway_leaves_no_key_and_the_next_load_sets_every_wei
     sampler.load(None, None, base)
     assert bits(sampler) == base_bits
     sampler.close()
+
+
+def test_a_small_load_runs_on_one_thread_and_gives_the_caller_its_threads_back(tiny_model, monkeypatch):
+    """Merging a tiny adapter in runs on one thread (a parallel region would only wait for the
+    second core); above ``ONE_THREAD_BELOW_ELEMENTS`` (the negative control) it keeps the caller's."""
+    from skyrl_tinker import sampler as sampler_module
+
+    trainer = LoraTrainer(tiny_model)
+    trainer.create("a", rank=4, alpha=32.0, groups=("attn", "mlp"), seed=1)
+    seen: list[int] = []
+
+    class RecordingEngine:
+        def update_weights(self, named):
+            seen.append(torch.get_num_threads())
+            list(named)
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        sampler = Sampler(RecordingEngine())
+        sampler.load("a", trainer.adapter_tensors("a"), trainer.base_weights())
+        assert seen == [1] and torch.get_num_threads() == 2
+        monkeypatch.setattr(sampler_module, "ONE_THREAD_BELOW_ELEMENTS", 1)
+        sampler.load(None, None, trainer.base_weights())  # (restoring the base: the same rule)
+        assert seen == [1, 2] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(previous)
