@@ -411,7 +411,7 @@ def test_the_gathers_quiet_window_counts_from_the_last_arrival(tiny_model, tmp_p
         service.close()
 
 
-def test_a_burst_as_large_as_the_models_last_batch_starts_at_its_last_request(tiny_model, tmp_path, monkeypatch):
+def test_a_burst_as_large_as_the_models_last_burst_starts_at_its_last_request(tiny_model, tmp_path, monkeypatch):
     """An RL loop sends the same burst of sampling requests every step: once as many as the model's
     last burst had have come, the batch starts without a quiet window. A first burst and another
     model's (the negative control) wait as before; a larger one starts at the last one's size and

@@ -291,7 +291,7 @@ class TinkerService:
         try:
             tensors = self._sampler_weights(job.model_path, job.checkpoint_dir)
             sampler = self._get_sampler()
-            sampler.load(job.model_path, tensors, self.trainer.hf_weights() if sampler.full_sets else self.trainer.base_weights())
+            sampler.load(job.model_path, tensors, self._base_for(sampler))
             sampler.ready()  # (after the load: a resting engine packs the new weights once)
         except Exception as error:  # noqa: BLE001
             self._record([(fid, self._failure(error)) for fid, _ in jobs])
@@ -879,9 +879,14 @@ class TinkerService:
         if sampler is None or sampler.loaded is None or _model_of(sampler.loaded) != model_id:
             return
         try:
-            sampler.load(path, tensors, self.trainer.hf_weights() if sampler.full_sets else self.trainer.base_weights())
+            sampler.load(path, tensors, self._base_for(sampler))
         except Exception as error:  # noqa: BLE001 - the sampling request retries the load and reports it
             log.warning("merging %s into the sampler failed (its first sampling request retries): %s", path, error)
+
+    def _base_for(self, sampler: Any) -> dict[str, Any]:
+        """The base weights a load merges into: every weight for an engine that takes full sets,
+        the adapted modules' otherwise."""
+        return self.trainer.hf_weights() if sampler.full_sets else self.trainer.base_weights()
 
     def _get_sampler(self) -> Any:
         if self._sampler is None:
