@@ -109,3 +109,42 @@ def test_the_row_cache_drops_the_least_recently_used_beyond_its_rows_and_result_
     assert cache._bytes == 10 + 5
     cache.drop(FutureRow, "e")
     assert cache.get(FutureRow, "e") is None and cache._bytes == 10
+
+
+def test_a_row_deleted_while_it_is_being_read_is_not_left_in_memory(tmp_path):
+    """A read that misses memory and a delete racing it: the read caches its row under the writers'
+    lock, so the delete (which drops the copy) runs after it, not between the read and the caching."""
+    import threading
+
+    from skyrl_tinker.store import CheckpointRow
+
+    store = Store(f"sqlite:///{tmp_path / 's.db'}")
+    path = "tinker://m/weights/a"
+    store.put([CheckpointRow(tinker_path=path, owner="o", model_id="m", kind="training", checkpoint_id="weights/a",
+                             directory="/d", size_bytes=1, created=dt.datetime(2021, 1, 1))])
+    store._cache.drop(CheckpointRow, path)  # (as after a restart: not in memory yet)
+    deleter = threading.Thread(target=store.delete, args=(CheckpointRow, path))
+    real_session = store.session
+
+    class RacingSession:
+        def __init__(self) -> None:
+            self.inner = real_session()
+
+        def __enter__(self):
+            self.inner.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.inner.__exit__(*exc)
+
+        def get(self, cls, key):
+            row = self.inner.get(cls, key)
+            store.session = real_session  # (only the first read races)
+            deleter.start()
+            deleter.join(0.5)  # the delete gets as far as it can while this read is unfinished
+            return row
+
+    store.session = RacingSession
+    assert store.get(CheckpointRow, path) is not None  # read before the delete committed
+    deleter.join(10)
+    assert store.get(CheckpointRow, path) is None  # not served from a stale copy

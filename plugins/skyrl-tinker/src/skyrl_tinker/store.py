@@ -188,12 +188,17 @@ class Store:
 
     def get(self, cls: type, key: str) -> Any:
         """The row of that primary key (None: none). Do not change it: it may be the cached copy."""
-        row = self._cache.get(cls, key) if cls in self.CACHED else None
-        if row is None:
+        if cls not in self.CACHED:
             with self.session() as s:
+                return s.get(cls, key)
+        row = self._cache.get(cls, key)
+        if row is None:
+            # (read and cached under the writers' lock: a write between the two would otherwise
+            # leave the older row cached over the newer one, or a deleted one cached)
+            with self._lock, self.session() as s:
                 row = s.get(cls, key)
-            if row is not None:
-                self._cached(row)
+                if row is not None:
+                    self._cache.put(row)
         return row
 
     def _cached(self, row: Any) -> None:
