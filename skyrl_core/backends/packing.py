@@ -96,7 +96,7 @@ def _plan_prompt_groups(batch: TrainingBatch, groups: list[list[int]], max_rows:
 
     return plan_group_passes(
         [(group, prompt_lens[group[0]]) for group in groups], [max(1, n) for n in response_lens],  # (a row holds a position)
-        part_fits=lambda rows, length: within(rows, length),
+        part_fits=lambda count, length: within(count, length),
         pass_fits=lambda parts: within(sum(len(rows) for rows, _ in parts), max(n for _, n in parts), len(parts)),
     )
 

@@ -33,6 +33,11 @@ def error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"detail": message}, status_code=status, headers=NO_RETRY)
 
 
+def problems(errors: list[dict]) -> str:
+    """Pydantic's validation errors as ``field.path: message; ...`` (the first eight)."""
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in errors[:8])
+
+
 def owner_of(key: str | None) -> str:
     return "anonymous" if not key else hashlib.sha256(key.encode()).hexdigest()[:16]
 
@@ -103,8 +108,7 @@ def create_app(service: TinkerService, *, api_keys: set[str] | None = None, max_
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()[:8])
-        return error(422, problems)
+        return error(422, problems(exc.errors()))
 
     @app.exception_handler(TinkerError)
     async def refused(request: Request, exc: TinkerError) -> JSONResponse:
@@ -118,10 +122,7 @@ def create_app(service: TinkerService, *, api_keys: set[str] | None = None, max_
         try:
             return model.model_validate_json(raw or b"{}")
         except ValidationError as exc:
-            problems = "; ".join(
-                f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()[:8]
-            )
-            raise TinkerError(f"{model.__name__}: {problems}", status=422) from None
+            raise TinkerError(f"{model.__name__}: {problems(exc.errors())}", status=422) from None
 
     def owner(request: Request) -> str:
         return request.state.owner
