@@ -240,6 +240,24 @@ class ImportanceSamplingOptions:
     norm_len: int | None = _norm_len_field()
 
 
+def _finite_non_negative(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    _non_negative(instance, attribute, value)
+    if value == float("inf"):
+        raise ValueError(f"{field_name(instance, attribute)} must be finite, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class DROOptions:
+    """DRO: ``-(log pi * A - beta / 2 * (log pi - log pi_sampler)^2)``."""
+
+    beta: float = attrs.field(
+        default=0.05, validator=_finite_non_negative,
+        metadata=_help("weight of the quadratic penalty on log(pi / pi_sampler) (Tinker's example value 0.05)"),
+    )
+    loss_reduction: str | None = _reduction_field()
+    norm_len: int | None = _norm_len_field()
+
+
 # --- advantage estimators ----------------------------------------------------------------------
 
 

@@ -28,6 +28,7 @@ POLICY_LOSSES: tuple[tuple[str, str, str, str], ...] = (
     ("cross_entropy", "make_cross_entropy", "CrossEntropyOptions", "supervised negative log-likelihood (SFT)"),
     ("importance_sampling", "make_importance_sampling", "ImportanceSamplingOptions",
      "Tinker importance_sampling: -(pi/pi_sampler)*A, no clip"),
+    ("dro", "make_dro", "DROOptions", "DRO: -(log pi * A) plus a quadratic penalty on log(pi/pi_sampler)"),
 )
 
 ADVANTAGE_ESTIMATORS: tuple[tuple[str, str, str, str], ...] = (

@@ -377,3 +377,24 @@ def make_importance_sampling(options: opts.ImportanceSamplingOptions | None = No
         return -ratio * x.advantages, x.ratio_metrics(ratio)
 
     return PolicyLossFn("importance_sampling", o, per_token, needs_old=False)
+
+
+def make_dro(options: opts.DROOptions | None = None) -> PolicyLossFn:
+    """DRO (Richemond et al. 2024), as Tinker's ``dro`` loss: ``-(log pi * A - beta / 2 *
+    (log pi - log pi_sampler)^2)``, off-policy with no ratio: the quadratic term keeps the policy
+    near the sampler's. The sampler's logprobs are ``rollout_logprobs`` when given, else
+    ``old_logprobs``. The difference is not clamped (no exponential to overflow)."""
+    o = options or opts.DROOptions()
+
+    def per_token(x: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
+        sampler = x.rollout_logprobs if x.rollout_logprobs is not None else x.old_logprobs
+        if sampler is None:
+            raise ValueError("policy loss 'dro' needs rollout_logprobs or old_logprobs, got None for both")
+        difference = x.logprobs - sampler
+        penalty = 0.5 * o.beta * difference.square()
+        return penalty - x.logprobs * x.advantages, {
+            "penalty_mean": masked_scalar(penalty.detach(), x.mask),
+            "log_ratio_mean": masked_scalar(difference.detach(), x.mask),
+        }
+
+    return PolicyLossFn("dro", o, per_token, needs_old=False)

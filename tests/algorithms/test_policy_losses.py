@@ -244,6 +244,30 @@ def test_importance_sampling_is_tinker_ratio_against_sampler():
     check(P.make_importance_sampling(), rule_old, rollout=False)
 
 
+def test_dro_is_reinforce_with_a_quadratic_penalty_towards_the_sampler():
+    beta = 0.3
+
+    def rule(b, t, sampler=ROLLOUT):
+        d = LOGP[b][t] - sampler[b][t]  # not clamped: (1,0) has d = 8.5 with the rollout
+        return 0.5 * beta * d * d - LOGP[b][t] * ADV[b][t], beta * d - ADV[b][t]
+
+    metrics, grad = check(P.make_dro(O.DROOptions(beta=beta)), rule)
+    assert metrics["log_ratio_mean"] == pytest.approx(sum(LOGP[b][t] - ROLLOUT[b][t] for b, t in trained()) / 10)
+    check(P.make_dro(O.DROOptions(beta=beta)), lambda b, t: rule(b, t, OLD), rollout=False)
+    # beta 0 is plain REINFORCE on the advantages
+    check(P.make_dro(O.DROOptions(beta=0.0)), lambda b, t: (-LOGP[b][t] * ADV[b][t], -ADV[b][t]))
+    assert O.DROOptions().beta == 0.05
+    for bad in (-0.1, float("inf"), float("nan"), True, "0.1"):
+        with pytest.raises(ValueError, match="beta"):
+            O.DROOptions(beta=bad)
+
+
+def test_dro_needs_the_samplers_logprobs():
+    logp, _, adv, mask, _ = tensors()
+    with pytest.raises(ValueError, match="'dro' needs rollout_logprobs or old_logprobs"):
+        P.make_dro()(logp, None, adv, mask)
+
+
 def test_cross_entropy_is_token_nll_and_needs_no_advantages():
     check(P.make_cross_entropy(), lambda b, t: (-LOGP[b][t], -1.0))
     logp, _, _, mask, _ = tensors()
@@ -397,6 +421,7 @@ ALL_LOSSES = [
     P.make_dppo,
     P.make_cross_entropy,
     P.make_importance_sampling,
+    P.make_dro,
 ]
 
 

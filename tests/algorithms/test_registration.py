@@ -20,7 +20,7 @@ from skyrl_core.plugins.records import AdvantageEstimatorSpec, PolicyLossSpec
 from tests.algorithms.reference import tensors
 
 POLICY_LOSSES = {"ppo", "dual_clip", "gspo", "cispo", "sapo", "clip_cov", "kl_cov", "rollout_is", "dppo",
-                 "cross_entropy", "importance_sampling"}
+                 "cross_entropy", "importance_sampling", "dro"}
 ESTIMATORS = {"gae", "grpo", "rloo", "reinforce++", "maxrl"}
 
 

@@ -61,10 +61,26 @@ def test_gspo_gives_each_sequence_its_sequence_objective():
     assert torch.allclose(loss, (per_token * mask / lengths).sum())
 
 
+@pytest.mark.parametrize("config, beta", [(None, 0.05), ({"beta": 0.5}, 0.5), ({"beta": 0}, 0.0)])
+def test_dro_is_tinkers_formula_with_beta_default_0_05(config, beta):
+    lp, inputs, mask = _inputs(5)
+    loss, metrics = compute_loss("dro", config, lp, inputs, mask)
+    quadratic = (lp - inputs["logprobs"]) ** 2
+    expected = -((lp * inputs["advantages"] - 0.5 * beta * quadratic) * mask).sum()
+    assert torch.allclose(loss, expected)
+    loss.backward()
+    assert torch.allclose(lp.grad, (-inputs["advantages"] + beta * (lp.detach() - inputs["logprobs"])) * mask)
+    assert "penalty_mean" in metrics
+
+
 @pytest.mark.parametrize(
     "name, config, message",
     [
-        ("dro", None, "not built"),
+        ("stable_reinforce", None, "stability records"),
+        ("dro", {"beta": -0.1}, "loss_fn_config.beta: must be >= 0"),
+        ("dro", {"beta": float("inf")}, "finite"),
+        ("dro", {"clip_low_threshold": 0.8}, "allowed: beta"),
+        ("ppo", {"beta": 0.1}, "loss_fn_config.beta: not an option of 'ppo'"),
         ("custom", None, "client"),
         ("cross_entropi", None, "unknown; supported: cross_entropy"),
         ("ppo", {"clip_low": 0.8}, "loss_fn_config.clip_low: not an option of 'ppo'"),

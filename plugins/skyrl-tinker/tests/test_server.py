@@ -160,6 +160,25 @@ def test_rl_loop_with_importance_sampling_raises_the_reward(server, connect):
         assert again == {"completions": [], "cursor": 8}
 
 
+@pytest.mark.parametrize("config, beta", [(None, 0.05), ({"beta": 0.4}, 0.4)])
+def test_dro_through_the_sdk_sums_tinkers_formula_over_the_returned_logprobs(server, connect, config, beta):
+    url, _ = server
+    tc = connect(url).create_lora_training_client(base_model="tiny", rank=4, seed=0).result()
+    rng = np.random.default_rng(7)
+    data, inputs = [], []
+    for tokens in (SENTENCE, list(range(300, 309))):
+        n = len(tokens) - 1
+        sampler, advantages = (-rng.random(n) * 4).tolist(), rng.normal(size=n).tolist()
+        data.append(_datum(tokens, logprobs=sampler, advantages=advantages))
+        inputs.append((np.asarray(sampler), np.asarray(advantages)))
+    out = tc.forward_backward(data, "dro", loss_fn_config=config).result()
+    expected = 0.0
+    for output, (sampler, advantages) in zip(out.loss_fn_outputs, inputs):
+        logprobs = np.asarray(output["logprobs"].tolist(), dtype=np.float64)
+        expected -= np.sum(logprobs * advantages - 0.5 * beta * (logprobs - sampler) ** 2)
+    assert out.metrics["loss:sum"] == pytest.approx(expected, rel=1e-5)
+
+
 def test_save_state_load_state_round_trips_weights_and_optimizer_bit_for_bit(server, connect):
     url, ck = server
     tc = connect(url).create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
@@ -224,8 +243,8 @@ def test_bad_input_gets_a_clear_4xx_and_the_server_keeps_serving(server, connect
     with httpx.Client(base_url=url, timeout=30) as http:
         r = http.post("/api/v1/forward_backward", content=_raw_forward_backward("no-such-model", [_datum(SENTENCE)]), headers=proto)
         assert r.status_code == 404 and "model_id 'no-such-model' not found" in r.text
-        r = http.post("/api/v1/forward_backward", content=_raw_forward_backward(tc.model_id, [_datum(SENTENCE)], "dro"), headers=proto)
-        assert r.status_code == 400 and "loss_fn 'dro'" in r.text and "supported: cross_entropy" in r.text
+        r = http.post("/api/v1/forward_backward", content=_raw_forward_backward(tc.model_id, [_datum(SENTENCE)], "stable_reinforce"), headers=proto)
+        assert r.status_code == 400 and "loss_fn 'stable_reinforce'" in r.text and "supported: cross_entropy" in r.text
         bad = types.Datum(model_input=types.ModelInput.from_ints(SENTENCE[:-1]), loss_fn_inputs={"target_tokens": SENTENCE[1:-2]})
         r = http.post("/api/v1/forward_backward", content=_raw_forward_backward(tc.model_id, [bad]), headers=proto)
         assert r.status_code == 400 and "data[0].loss_fn_inputs.target_tokens: length 17, but model_input has 19 tokens" in r.text

@@ -14,9 +14,11 @@ scores ``target_tokens[i]`` given the tokens up to ``i``). So each core loss is 
 - ``gspo``: the sequence ratio ``exp(mean_t log r)`` clipped, each sequence's tokens weighted
   ``1 / length`` (so each sequence contributes its sequence-level objective), same thresholds
   (default 1 - 3e-4 and 1 + 4e-4, GSPO's own).
+- ``dro``: ``sum(-(logprob * A - beta / 2 * (logprob - logprobs)^2))``, ``loss_fn_config``
+  ``beta`` (default 0.05, the value Tinker's documentation shows).
 
 ``r = exp(logprob - logprobs)`` where ``logprobs`` is the sampler's (``loss_fn_inputs``).
-Not built (refused by name): ``dro``, ``stable_reinforce`` and server-side ``custom`` losses.
+Not built (refused by name): ``stable_reinforce`` and server-side ``custom`` losses.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class LossRule:
     required: tuple[str, ...]
     optional: tuple[str, ...] = ()
     thresholds: tuple[float, float] | None = None  # default (low, high) ratio bounds, if clipped
+    beta: float | None = None  # default quadratic penalty (``loss_fn_config.beta``), if it takes one
 
 
 LOSSES: dict[str, LossRule] = {
@@ -43,9 +46,9 @@ LOSSES: dict[str, LossRule] = {
     "ppo": LossRule("ppo", RL_INPUTS, thresholds=(0.8, 1.2)),
     "cispo": LossRule("cispo", RL_INPUTS, thresholds=(0.8, 1.2)),
     "gspo": LossRule("gspo", RL_INPUTS, thresholds=(1 - 3e-4, 1 + 4e-4)),
+    "dro": LossRule("dro", RL_INPUTS, beta=0.05),
 }
 NOT_BUILT = {
-    "dro": "Tinker's dro loss is not built in this server",
     "stable_reinforce": "stable_reinforce needs the sampler's stability records, which this server does not keep",
     "custom": "server-side custom losses are not built; the SDK runs forward_backward_custom on the client "
     "(this server reports custom_loss_server_side: false)",
@@ -64,7 +67,9 @@ def check_loss(name: str, config: dict[str, Any] | None) -> LossRule:
     if rule is None:
         raise LossInputError(f"loss_fn {name!r} is unknown; supported: {', '.join(LOSSES)}")
     config = dict(config or {})
-    allowed = ("clip_low_threshold", "clip_high_threshold") if rule.thresholds else ()
+    allowed = (("clip_low_threshold", "clip_high_threshold") if rule.thresholds else ()) + (
+        ("beta",) if rule.beta is not None else ()
+    )
     for key, value in config.items():
         if key not in allowed:
             raise LossInputError(
@@ -78,6 +83,8 @@ def check_loss(name: str, config: dict[str, Any] | None) -> LossRule:
             raise LossInputError(f"loss_fn_config.clip_low_threshold: must be in [0, 1); got {low!r}")
         if not high > 1.0:
             raise LossInputError(f"loss_fn_config.clip_high_threshold: must be > 1; got {high!r}")
+    if rule.beta is not None and not float(config.get("beta", rule.beta)) >= 0.0:
+        raise LossInputError(f"loss_fn_config.beta: must be >= 0; got {config['beta']!r}")
     return rule
 
 
@@ -101,6 +108,8 @@ def compute_loss(name: str, config: dict[str, Any] | None, logprobs: Any, inputs
         options = {"eps_low": 1.0 - low, "eps_high": high - 1.0}
         if rule.core == "cispo" and low == 0.0:
             options["eps_low"] = 1.0
+    if rule.beta is not None:
+        options = {"beta": float(dict(config or {}).get("beta", rule.beta))}
     loss_fn = load_policy_loss(rule.core, **options)
     if name == "cross_entropy":
         weights = inputs.get("weights")
@@ -113,7 +122,7 @@ def compute_loss(name: str, config: dict[str, Any] | None, logprobs: Any, inputs
         token_weights = mask
     sampler = inputs["logprobs"]
     advantages = inputs["advantages"]
-    if name == "importance_sampling":
+    if name in ("importance_sampling", "dro"):
         return loss_fn(logprobs, None, advantages, mask, rollout_logprobs=sampler, token_weights=token_weights)
     return loss_fn(logprobs, sampler, advantages, mask, token_weights=token_weights)
 
