@@ -6,33 +6,12 @@ from typing import Any
 
 import attrs
 
-from skyrl_core.config.validators import boolean, one_of, optional_positive_int, positive_int, positive_number
+from skyrl_core.config.validators import boolean, one_of, optional_positive_int, positive_int
+from skyrl_core.lora_options import LoraOptions  # (shared with skyrl-megatron; importable from here as before)
 
 PRECISIONS = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 CPU_GEMMS = ("auto", "onednn", "torch")  # skyrl_core.ops.gemm_choice.CPU_GEMMS (this module imports no torch)
-
-
-def _lora_targets(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    from skyrl_core.lora import TARGET_GROUPS  # light: no torch, no peft at import
-
-    unknown = [t for t in value if t not in TARGET_GROUPS]
-    if not value or unknown:
-        raise ValueError(f"targets must be a non-empty list of {', '.join(TARGET_GROUPS)}; got {list(value)!r}")
-
-
-@attrs.frozen(kw_only=True)
-class LoraOptions:
-    """A LoRA adapter (peft) trained instead of the full weights (``backend.options.lora``)."""
-
-    rank: int = attrs.field(validator=positive_int, metadata={"help": "LoRA rank r"})
-    alpha: float = attrs.field(default=32.0, validator=positive_number, metadata={"help": "scale alpha / r of the adapter's product"})
-    targets: tuple[str, ...] = attrs.field(
-        default=("attn", "mlp"),
-        converter=tuple,
-        validator=_lora_targets,
-        metadata={"help": "layer groups: attn (q/k/v/o_proj), mlp (gate/up/down_proj), unembed (lm_head, untied only)"},
-    )
 
 
 @attrs.frozen(kw_only=True)

@@ -95,6 +95,12 @@ class MegatronBackend(RankDriver):
         """One result per replica: its tensor-parallel rank 0's."""
         return results[:: self.options.tensor_parallel]
 
+    def export_adapter(self) -> dict[str, torch.Tensor]:
+        """The LoRA adapter's own tensors (peft names, fp32, CPU) of ``options.lora``."""
+        if self.options.lora is None:
+            raise ValueError("export_adapter: this backend trains no LoRA adapter (backend.options.lora is not set)")
+        return self._call("adapter_state_dict")[0]
+
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full fp32 weights on CPU by Hugging Face name, in transformers' ``state_dict`` order
         (``lm_head.weight`` included when tied)."""

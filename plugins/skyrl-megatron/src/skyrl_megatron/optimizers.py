@@ -63,10 +63,14 @@ class ShardedAdamW:
             if getattr(p, "sequence_parallel", False)
             or n.endswith(("q_layernorm.weight", "k_layernorm.weight", "self_attention.out_norm.weight"))
         ]
-        self.grad_clip = grad_clip
+        self.grad_clip, self.weight_decay = grad_clip, weight_decay
         self.tp_group, self.dp_group = tp_group, dp_group
         self.expert_dp_group, self.expert_shard_group = expert_dp_group, expert_shard_group
-        self.optimizer = torch.optim.AdamW(_decay_groups(self.params, weight_decay), lr=0.0)
+        self.reset()
+
+    def reset(self) -> None:
+        """A fresh AdamW (no moments, no step count) over the same parameters."""
+        self.optimizer = torch.optim.AdamW(_decay_groups(self.params, self.weight_decay), lr=0.0)
 
     @staticmethod
     def _sum_grads(params: list[torch.nn.Parameter], group) -> None:
@@ -101,14 +105,24 @@ class ShardedAdamW:
             dist.all_reduce(experts, group=self.expert_shard_group)
         return math.sqrt(float(sharded + replicated + experts))
 
-    def step(self, lr: float) -> float:
+    def step(self, lr: float, *, betas: tuple[float, float] | None = None, eps: float | None = None,
+             weight_decay: float | None = None, grad_clip: float | None = None) -> float:
+        """``betas``, ``eps`` and ``weight_decay`` (of the matrices; norms keep 0) given: set from
+        this step on; ``grad_clip`` given: this step's clip instead of the construction's."""
+        if betas is not None or eps is not None:
+            for group in self.optimizer.param_groups:
+                group["betas"] = betas if betas is not None else group["betas"]
+                group["eps"] = eps if eps is not None else group["eps"]
+        if weight_decay is not None:
+            self.optimizer.param_groups[0]["weight_decay"] = weight_decay
         self._sum_grads(self.tp_partial_params, self.tp_group)
         self._sum_grads(self.dense_params, self.dp_group)
         self._sum_grads(self.expert_params, self.expert_dp_group)
         norm = self.grad_norm()
         if math.isfinite(norm):
             # torch.nn.utils.clip_grad_norm_'s rule, so the curve matches a single-process run.
-            coef = min(1.0, self.grad_clip / (norm + 1e-6))
+            clip = self.grad_clip if grad_clip is None else grad_clip
+            coef = min(1.0, clip / (norm + 1e-6))
             for p in self.params:
                 if p.grad is not None:
                     p.grad.mul_(coef)

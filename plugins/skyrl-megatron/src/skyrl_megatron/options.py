@@ -10,6 +10,7 @@ from typing import Any
 import attrs
 
 from skyrl_core.config.validators import one_of, optional_positive_int, positive_int
+from skyrl_core.lora_options import LoraOptions
 
 
 def _help(text: str) -> dict[str, Any]:
@@ -56,6 +57,13 @@ class MegatronOptions:
     torch_threads: int | None = attrs.field(
         default=None, validator=optional_positive_int, metadata=_help("torch CPU threads per Ray worker (default: torch's own)")
     )
+    lora: LoraOptions | None = attrs.field(
+        default=None,
+        metadata=_help(
+            "train a LoRA adapter ({rank, alpha, targets}) on frozen base weights, in one process, dense Llama/Qwen3; "
+            "exported and saved weights are the adapter merged into the base (skyrl_core.lora.merged_weight)"
+        ),
+    )
 
     def __attrs_post_init__(self) -> None:
         world = self.processes
@@ -67,6 +75,11 @@ class MegatronOptions:
             raise ValueError(
                 f"backend.options.expert_parallel ({self.expert_parallel}) must divide the data-parallel degree "
                 f"world_size / tensor_parallel ({self.data_parallel})"
+            )
+        if self.lora is not None and world != 1:
+            raise ValueError(
+                f"backend.options.lora: LoRA in the megatron backend runs in one process (tensor_parallel 1, "
+                f"world_size 1); this backend has {world}. Use the fsdp backend for data-parallel LoRA"
             )
         if self.launcher == "inprocess" and world != 1:
             raise ValueError(

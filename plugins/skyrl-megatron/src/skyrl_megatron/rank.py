@@ -26,8 +26,9 @@ from skyrl_core.models import load_causal_lm
 from skyrl_core.ops import prepare_model, site_scope, token_logprobs
 from skyrl_core.ops.install import DEFAULT_IMPLS
 from skyrl_core.rng_state import capture_rng_state, restore_rng_state
-from skyrl_core.types import TrainingBatch
+from skyrl_core.types import OptimizerHyperparams, TrainingBatch
 from skyrl_megatron import logprobs as vp
+from skyrl_megatron import lora
 from skyrl_megatron.convert import expert_name, hf_to_megatron, megatron_to_hf
 from skyrl_megatron.layer_spec import choose_layer_spec, installed_trainer_ops, log_choice
 from skyrl_megatron.layout import GPTLayout, check_parallel, layout_from_hf_config
@@ -164,14 +165,19 @@ class MegatronRank:
         self.hf_config = hf_model.config
         self.layout: GPTLayout = layout_from_hf_config(hf_model.config)
         check_parallel(self.layout, tensor_parallel=self.tp, expert_parallel=self.ep)
+        if self.options.lora is not None:
+            lora.check(self.options.lora, self.layout)
+            if self.device.type != "cpu":  # pragma: no cover - needs CUDA
+                raise ValueError("backend.options.lora: LoRA in the megatron backend is built for CPU ranks (device: cpu); "
+                                 "megatron's GPU optimizer path is not built for frozen base weights. Use the fsdp backend on GPU")
         hf_state = hf_model.state_dict()
-        del hf_model
         # Transformer Engine's layers on CUDA, unless an op plugin (IsoExec) needs the local layers.
         choice = choose_layer_spec(
             device_type=self.device.type,
             te_available=self.device.type == "cuda" and transformer_engine_available(),
             model_type=self.layout.model_type,
             installed_ops=installed_trainer_ops(),
+            lora=self.options.lora is not None,
         )
         log_choice(choice, rank=self.rank, dtype=str(self.params_dtype).removeprefix("torch."))
         self.layer_spec_reason = choice.reason
@@ -195,6 +201,9 @@ class MegatronRank:
         load_parameters(self.model, shard)
         del hf_state, shard
         self.vocab_width = self.layout.padded_vocab_size(self.tp) // self.tp
+        if self.options.lora is not None:  # frozen base, adapters on its linears (skyrl_megatron.lora)
+            lora.attach(self.model, hf_model, self.options.lora, self.layout, seed=seed, padded_vocab=self.vocab_width)
+        del hf_model
         # Op sites: megatron's layers dispatch to what plugins install (skyrl_megatron.ops_sites).
         self.ledger = prepare_model(
             self.model, "trainer", patcher=functools.partial(patch_megatron_model, vocab_size=self.layout.vocab_size)
@@ -353,14 +362,23 @@ class MegatronRank:
     def _micro_batch_size(self) -> int:
         return self.options.micro_batch_size or self.trainer.micro_batch_size
 
-    def optim_step(self) -> dict[str, float]:
-        lr = self.trainer.lr * lr_factor(
-            self.optimizer_steps,
-            schedule=self.trainer.lr_schedule,
-            warmup_steps=self.trainer.warmup_steps,
-            total_steps=self.total_optimizer_steps,
-        )
-        grad_norm = self.optimizer.step(lr)
+    def optim_step(self, hyperparams: OptimizerHyperparams | None = None) -> dict[str, float]:
+        """One AdamW step: at the trainer config's schedule, or with ``hyperparams`` (the caller's
+        lr, betas, eps, weight decay and clip for this step; CPU optimizer only)."""
+        if hyperparams is None:
+            lr = self.trainer.lr * lr_factor(
+                self.optimizer_steps,
+                schedule=self.trainer.lr_schedule,
+                warmup_steps=self.trainer.warmup_steps,
+                total_steps=self.total_optimizer_steps,
+            )
+            grad_norm = self.optimizer.step(lr)
+        else:
+            if not isinstance(self.optimizer, ShardedAdamW):  # pragma: no cover - needs CUDA
+                raise ValueError("optim_step(hyperparams) is built for the megatron backend's CPU optimizer only")
+            lr = hyperparams.lr
+            grad_norm = self.optimizer.step(lr, betas=tuple(hyperparams.betas), eps=hyperparams.eps,
+                                            weight_decay=hyperparams.weight_decay, grad_clip=hyperparams.grad_clip or math.inf)
         self.optimizer_steps += 1
         return {"grad_norm": grad_norm, "lr": lr}
 
@@ -376,6 +394,8 @@ class MegatronRank:
         shards: list[dict[str, torch.Tensor]] = [{} for _ in range(self.tp)]
         local_experts = self.layout.num_experts // self.ep
         for name, param in self.model.named_parameters():
+            if lora.is_adapter_parameter(name):
+                continue
             for r, part in enumerate(_all_gather(param.detach().float().contiguous(), self.tp_group)):
                 if ".local_experts." not in name:
                     shards[r][name] = part.cpu()
@@ -386,7 +406,16 @@ class MegatronRank:
                     shards[r][expert_name(name, k * local_experts + local)] = expert.cpu()
         if self.rank != 0:
             return {}
-        return megatron_to_hf(shards, self.layout, fused_norms=self.use_transformer_engine)
+        weights = megatron_to_hf(shards, self.layout, fused_norms=self.use_transformer_engine)
+        if self.options.lora is not None:
+            weights = lora.merged(weights, self.adapter_state_dict(), self.options.lora)
+        return weights
+
+    def adapter_state_dict(self) -> dict[str, torch.Tensor]:
+        """The LoRA adapter's own tensors under peft's names (fp32, CPU)."""
+        if self.options.lora is None:
+            raise ValueError("export_adapter: this backend trains no LoRA adapter (backend.options.lora is not set)")
+        return lora.export(self.model, self.layout, self.options.lora.targets)
 
     def save_hf(self, path: str) -> None:
         """Rank 0 writes ``config.json`` and ``model.safetensors`` into the existing ``path``. Collective."""
@@ -417,7 +446,9 @@ class MegatronRank:
             save_state(os.path.join(path, TRAINER_STATE_FILE), meta)
         dist.barrier()
 
-    def load_checkpoint(self, path: str) -> None:
+    def load_checkpoint(self, path: str, optimizer: bool = True) -> None:
+        """Restore what ``save_checkpoint`` wrote; without ``optimizer`` the weights only (the
+        optimizer starts fresh, at step 0)."""
         meta = load_state(os.path.join(path, TRAINER_STATE_FILE))
         if meta.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"{path}: checkpoint format {meta.get('format')!r}, this backend reads {CHECKPOINT_FORMAT}")
@@ -430,9 +461,13 @@ class MegatronRank:
             )
         state = load_state(os.path.join(path, shard_file(self.rank)))
         load_parameters(self.model, state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if optimizer:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.optimizer_steps = int(meta["optimizer_steps"])
+        else:
+            self.optimizer.reset()
+            self.optimizer_steps = 0
         self.optimizer.zero_grad()
-        self.optimizer_steps = int(meta["optimizer_steps"])
         _set_rng_state(state["rng"])
 
     def execution_contract(self) -> dict[str, Any]:

@@ -1,0 +1,173 @@
+"""LoRA in the Megatron backend (``backend.options.lora: {rank, alpha, targets}``), one process.
+
+The adapter is peft's, made on the Hugging Face model the rank is built from
+(``skyrl_core.lora.add_adapter``): the same seed gives the same A and B as the FSDP backend and the
+Tinker server's in-process trainer. Each targeted megatron linear keeps its weight and its name
+(checkpoints, weight conversion and the op sites see the model they know) and gets a submodule
+``lora`` holding one (A, B) pair per Hugging Face projection it fuses (``linear_qkv``: q, k, v;
+``linear_fc1``: gate, up); a forward hook adds ``scale * B (A x)`` laid out as the linear's rows
+are (query groups for ``linear_qkv``, gate then up for ``linear_fc1``). So a fused linear trains
+exactly the adapters peft would put on its parts, and ``export`` gives them back under peft's
+names. What leaves as full weights is the adapter merged into the base
+(``skyrl_core.lora.merged_weights``), as in the FSDP backend.
+
+Tensor and expert parallelism, MoE and hybrid models, and Transformer Engine's fused-norm layers
+(whose linear sees the hidden state before its norm) are refused or avoided: ``check`` names why.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from skyrl_core.lora_options import LoraOptions
+from skyrl_megatron.layout import GPTLayout
+
+ADAPTER = "default"
+
+# Target group -> (megatron module under a decoder layer, the Hugging Face projections it fuses in row order).
+LAYER_TARGETS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
+    "attn": (
+        ("self_attention.linear_qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+        ("self_attention.linear_proj", ("self_attn.o_proj",)),
+    ),
+    "mlp": (
+        ("mlp.linear_fc1", ("mlp.gate_proj", "mlp.up_proj")),
+        ("mlp.linear_fc2", ("mlp.down_proj",)),
+    ),
+}
+
+
+def check(options: LoraOptions, layout: GPTLayout) -> None:
+    """Refuse a model LoRA here does not cover, naming the option (one process: ``MegatronOptions``)."""
+    if layout.model_type not in ("llama", "qwen3"):
+        raise ValueError(
+            f"backend.options.lora: LoRA in the megatron backend covers dense Llama and Qwen3 models; "
+            f"this model is {layout.model_type!r}"
+        )
+    if "unembed" in options.targets and layout.tied_embeddings:
+        raise ValueError(
+            "backend.options.lora.targets: unembed needs an untied lm_head; this model ties lm_head to "
+            "embed_tokens. Train attention and MLP adapters only"
+        )
+
+
+class FusedLora(torch.nn.Module):
+    """The adapters of one megatron linear: ``lora_A[i]`` ``[r, in]`` and ``lora_B[i]`` ``[out_i, r]``
+    for its ``i``-th fused projection; ``fuse`` lays the projections' outputs out as its rows."""
+
+    def __init__(self, a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], scale: float,
+                 fuse: Callable[[list[torch.Tensor]], torch.Tensor]) -> None:
+        super().__init__()
+        self.lora_A = torch.nn.ParameterList([torch.nn.Parameter(t.detach().float().clone()) for t in a])
+        self.lora_B = torch.nn.ParameterList([torch.nn.Parameter(t.detach().float().clone()) for t in b])
+        self.scale = scale
+        self.fuse = fuse
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        parts = [torch.nn.functional.linear(torch.nn.functional.linear(x, a), b) * self.scale
+                 for a, b in zip(self.lora_A, self.lora_B)]
+        return self.fuse(parts)
+
+
+def _add_delta(module: torch.nn.Module, args: tuple, output: Any) -> Any:
+    x = args[0]
+    if isinstance(output, tuple):  # megatron's linears return (output, bias)
+        return (output[0] + module.lora.delta(x).to(output[0].dtype), *output[1:])
+    return output + module.lora.delta(x).to(output.dtype)
+
+
+def _fuse_qkv(layout: GPTLayout) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+    groups, per_group, hd = layout.num_kv_heads, layout.heads_per_group, layout.head_dim
+
+    def fuse(parts: list[torch.Tensor]) -> torch.Tensor:
+        q, k, v = parts  # each query group's heads, then its key and its value (skyrl_megatron.convert)
+        return torch.cat([q.unflatten(-1, (groups, per_group * hd)), k.unflatten(-1, (groups, hd)),
+                          v.unflatten(-1, (groups, hd))], dim=-1).flatten(-2)
+
+    return fuse
+
+
+def _fuse_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+
+def _padded_rows(rows: int) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+    """The output layer's rows are the vocabulary padded to ``rows``: the padding gets no delta."""
+
+    def fuse(parts: list[torch.Tensor]) -> torch.Tensor:
+        (out,) = parts
+        return torch.nn.functional.pad(out, (0, rows - out.shape[-1]))
+
+    return fuse
+
+
+def targets(layout: GPTLayout, groups: Sequence[str]) -> list[tuple[str, tuple[str, ...]]]:
+    """``(megatron module, Hugging Face modules it fuses)`` of every adapted linear, in layer order."""
+    out = []
+    for i in range(layout.num_layers):
+        for group in groups:
+            for module, parts in LAYER_TARGETS.get(group, ()):
+                out.append((f"decoder.layers.{i}.{module}", tuple(f"model.layers.{i}.{p}" for p in parts)))
+    if "unembed" in groups:
+        out.append(("output_layer", ("lm_head",)))
+    return out
+
+
+def attach(model: torch.nn.Module, hf_model: Any, options: LoraOptions, layout: GPTLayout, *, seed: int,
+           padded_vocab: int) -> None:
+    """Freeze ``model`` and give its targeted linears the adapter peft makes on ``hf_model`` with
+    ``seed`` (so A is the same draw as every other runtime's; B starts at zero)."""
+    from skyrl_core import lora
+
+    lora.add_adapter(hf_model, ADAPTER, rank=options.rank, alpha=options.alpha,
+                     modules=lora.target_modules(hf_model, options.targets), seed=seed)
+    tensors = lora.adapter_tensors(hf_model, ADAPTER)
+    model.requires_grad_(False)
+    modules = dict(model.named_modules())
+    scale = options.alpha / options.rank
+    for name, parts in targets(layout, options.targets):
+        if name.endswith("linear_qkv"):
+            fuse = _fuse_qkv(layout)
+        elif name == "output_layer":
+            fuse = _padded_rows(padded_vocab)
+        else:
+            fuse = _fuse_rows
+        linear = modules[name]
+        linear.lora = FusedLora([tensors[f"{p}.lora_A"] for p in parts], [tensors[f"{p}.lora_B"] for p in parts], scale, fuse)
+        linear.register_forward_hook(_add_delta)
+
+
+def adapted(model: torch.nn.Module) -> list[tuple[str, FusedLora]]:
+    return [(name[: -len(".lora")], m) for name, m in model.named_modules() if isinstance(m, FusedLora)]
+
+
+def is_adapter_parameter(name: str) -> bool:
+    return ".lora.lora_A." in name or ".lora.lora_B." in name
+
+
+def export(model: torch.nn.Module, layout: GPTLayout, groups: Sequence[str]) -> dict[str, torch.Tensor]:
+    """The adapter under peft's names (``<hf module>.lora_A.default.weight``), fp32 on the CPU."""
+    fused = dict(adapted(model))
+    out: dict[str, torch.Tensor] = {}
+    for name, parts in targets(layout, groups):
+        adapter = fused[name]
+        for part, a, b in zip(parts, adapter.lora_A, adapter.lora_B):
+            out[f"{part}.lora_A.{ADAPTER}.weight"] = a.detach().float().cpu().clone()
+            out[f"{part}.lora_B.{ADAPTER}.weight"] = b.detach().float().cpu().clone()
+    return out
+
+
+def merged(hf_weights: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor], options: LoraOptions) -> dict[str, torch.Tensor]:
+    """Hugging Face weights with the adapter (``export``'s names) merged into its modules."""
+    from skyrl_core import lora
+
+    scale = torch.tensor(options.alpha / options.rank, dtype=torch.float32)
+    out = dict(hf_weights)
+    suffix = f".lora_A.{ADAPTER}.weight"
+    for key, a in adapter.items():
+        if key.endswith(suffix):
+            module = key[: -len(suffix)]
+            out[f"{module}.weight"] = lora.merged_weight(out[f"{module}.weight"], a, adapter[f"{module}.lora_B.{ADAPTER}.weight"], scale)
+    return out
