@@ -423,14 +423,17 @@ def test_sampled_logprobs_equal_training_logprobs_bit_for_bit_with_isoexec(tiny_
         assert differing > 0 and differing_fb > 0
 
 
-def test_training_runs_on_the_fsdp_backend_through_the_sdk(server, connect, tiny_model, tmp_path):
-    """``--backend fsdp``: each run is an FSDP backend with a LoRA adapter; it trains like the
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+def test_training_runs_on_a_training_backend_through_the_sdk(server, connect, tiny_model, tmp_path, backend):
+    """``--backend fsdp|megatron``: each run is a backend with a LoRA adapter; it trains like the
     in-process trainer (same seed, same init: the same losses up to rounding), samples from its
     adapter, and its state round-trips with AdamW moments (negative control: weights only)."""
+    if backend == "megatron":
+        pytest.importorskip("megatron.core", reason="megatron-core is not installed")
     reference = connect(server[0]).create_lora_training_client(base_model="tiny", rank=4, seed=21).result()
     expected = _sl_steps(reference, 4)
     (tmp_path / "ck").mkdir()
-    with (serve(tiny_model, tmp_path / "ck", extra=("--backend", "fsdp")) as url, httpx.Client(base_url=url, timeout=60) as http,
+    with (serve(tiny_model, tmp_path / "ck", extra=("--backend", backend)) as url, httpx.Client(base_url=url, timeout=60) as http,
           _client(url) as service):
         tc = service.create_lora_training_client(base_model="tiny", rank=4, seed=21).result()
         losses = _sl_steps(tc, 4)
@@ -445,7 +448,7 @@ def test_training_runs_on_the_fsdp_backend_through_the_sdk(server, connect, tiny
         forward = tc.forward([_datum(seq)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
         assert forward[-6:] == pytest.approx(list(out.sequences[0].logprobs), abs=1e-4)
 
-        saved = tc.save_state("fsdp").result().path
+        saved = tc.save_state(backend).result().path
         bits = _forward_bits(tc)
         _sl_steps(tc, 1)
         after = _forward_bits(tc)

@@ -1,4 +1,4 @@
-"""``BackendLoraTrainer``: Tinker training runs on a ``TrainingBackend`` (``--backend fsdp``).
+"""``BackendLoraTrainer``: Tinker training runs on a ``TrainingBackend`` (``--backend fsdp|megatron``).
 
 Each training run (adapter) is one backend built by registered name with
 ``options.lora = {rank, alpha, targets}`` and trained only through the core's boundary:
@@ -17,7 +17,7 @@ sampler's ``logprobs`` -> ``rollout_logprobs``, ``advantages``) and each row car
 index in ``group_ids``, so the loss closure, which the backend calls per micro-batch (rows packed
 in its own order), computes Tinker's loss and records each datum's logprobs. Each backend holds its
 own copy of the base model (memory grows with the number of runs), and the IsoExec bit-equality of
-sampler and trainer is not claimed here (the backend trains through peft's unmerged layers).
+sampler and trainer is not claimed here (the backend trains through unmerged adapters).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from skyrl_tinker.trainer import (ADAPTER_FILE, META_FILE, MICRO_BATCH_BYTES, Ad
 BACKEND_DIR = "backend"  # the backend's own checkpoint inside a Tinker training checkpoint
 # Tinker loss input -> the TrainingBatch field that carries it through the backend's micro-batches.
 INPUT_FIELDS = {"weights": "token_weights", "logprobs": "rollout_logprobs", "advantages": "advantages"}
-BACKENDS = ("fsdp",)
+BACKENDS = ("fsdp", "megatron")
 
 
 def build_backend(name: str, model_dir: str, *, rank: int, alpha: float, groups: tuple[str, ...], seed: int,
@@ -46,7 +46,10 @@ def build_backend(name: str, model_dir: str, *, rank: int, alpha: float, groups:
     from skyrl_core.plugins.manager import get_plugin_manager
 
     spec = get_plugin_manager().spec("training_backend", name)
-    options = structure_options(spec, {"lora": {"rank": rank, "alpha": alpha, "targets": list(groups)}, "cpu_gemm": cpu_gemm}, path=f"backend:{name}")
+    given: dict[str, Any] = {"lora": {"rank": rank, "alpha": alpha, "targets": list(groups)}}
+    if name == "fsdp":  # (megatron's CPU products are its own)
+        given["cpu_gemm"] = cpu_gemm
+    options = structure_options(spec, given, path=f"backend:{name}")
     # Tinker's AdamParams come with every optim_step; the config's lr/clip are not used. Passes are
     # sized like the in-process trainer's (MICRO_BATCH_BYTES).
     trainer = TrainerConfig(micro_batch_size=1024, micro_batch_tokens=micro_batch_tokens)

@@ -49,12 +49,6 @@ def check_backend(name: str) -> None:
     """Refuse, before anything loads, a backend Tinker runs cannot train on."""
     from skyrl_tinker.backend_trainer import BACKENDS
 
-    if name == "megatron":
-        raise click.BadParameter(
-            "'megatron': LoRA is not built in the Megatron backend (Tinker training runs are LoRA adapters); "
-            f"use one of: {', '.join(BACKENDS)}, or omit --backend (adapters train in the server's process)",
-            param_hint="--backend",
-        )
     if name not in BACKENDS:
         raise click.BadParameter(f"{name!r}: allowed: {', '.join(BACKENDS)} (or omit --backend)", param_hint="--backend")
     from skyrl_core.plugins.manager import get_plugin_manager
@@ -75,7 +69,7 @@ def tinker_group() -> None:
 @click.option("--model-name", default=None, help="the base_model name clients use (default: the directory's name)")
 @click.option("--engine", type=click.Choice(ENGINES), default="torch", show_default=True, help="inference engine for sampling")
 @click.option("--engine-option", "engine_option", multiple=True, metavar="KEY=VALUE", help="an option of the engine (repeatable; VALUE read as YAML), e.g. kv_cache_memory_bytes=67108864")
-@click.option("--backend", default=None, metavar="NAME", help="train each run on this TrainingBackend (fsdp) instead of in this process (see docs/tinker.md)")
+@click.option("--backend", default=None, metavar="NAME", help="train each run on this TrainingBackend (fsdp or megatron) instead of in this process (see docs/tinker.md)")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
 @click.option("--db", "db_url", default=None, help="SQLAlchemy URL of the state database (default: sqlite:///CHECKPOINTS/tinker.db)")
