@@ -130,8 +130,18 @@ def test_supervised_loop_with_cross_entropy_lowers_the_loss(server, connect):
     custom = tc.forward_backward_custom([_datum(SENTENCE)], mean_nll).result().metrics
     assert custom["surrogate_loss:sum"] == pytest.approx(custom["mean_nll"], rel=1e-5)  # sum(-lp * 1/T)
 
+    # The SDK's get_tokenizer: the served directory's own tokenizer (offline, on this machine).
+    assert tc.get_tokenizer().encode("7+5=") == byte_tokenizer().encode("7+5=")
+
     # REST listing and deletion.
-    rest = connect(url).create_rest_client()
+    service = connect(url)
+    rest = service.create_rest_client()
+    session_id = tc.model_id.split(":")[0]  # (a training run's id is its session's, ":train:", its number)
+    assert session_id in rest.list_sessions(limit=1000).result().sessions
+    session = rest.get_session(session_id).result()
+    assert session.training_run_ids == [tc.model_id] and session.sampler_ids == []
+    with pytest.raises(tinker.NotFoundError, match="session_id 'no-such-session' not found"):
+        rest.get_session("no-such-session").result()
     path = tc.save_state("sl").result().path
     assert rest.get_training_run(tc.model_id).result().last_checkpoint.tinker_path == path
     assert rest.get_weights_info_by_tinker_path(path).result().lora_rank == 8
@@ -365,6 +375,9 @@ def test_api_keys_authenticate_and_isolate(server, connect):
         assert r.status_code == 404
         mine = http.get("/api/v1/checkpoints", headers={"X-API-Key": MINE}).json()["checkpoints"]
         assert [c["tinker_path"] for c in mine] == [path]
+        # Sessions: the SDK's list_sessions / get_session show the caller's own only.
+        assert http.get(f"/api/v1/sessions/{tc.model_id.split(':')[0]}", headers=theirs).status_code == 404
+        assert tc.model_id.split(":")[0] not in http.get("/api/v1/sessions", params={"limit": 1000}, headers=theirs).json()["sessions"]
         assert connect(url, OTHER).create_lora_training_client(base_model="tiny", rank=4).result().get_info().lora_rank == 4
 
 

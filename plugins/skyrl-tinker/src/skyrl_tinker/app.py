@@ -274,6 +274,14 @@ def create_app(service: TinkerService, *, api_keys: set[str] | None = None, max_
 
     # --- checkpoints and training runs ----------------------------------------------------------------
 
+    @app.get(f"{API}/sessions")
+    async def sessions(request: Request, limit: int = 20, offset: int = 0) -> dict:
+        return service.sessions(owner(request), *paged(limit, offset))
+
+    @app.get(f"{API}/sessions/{{session_id}}")
+    async def session(request: Request, session_id: str) -> dict:
+        return service.session(owner(request), session_id)
+
     @app.get(f"{API}/training_runs")
     async def training_runs(request: Request, limit: int = 20, offset: int = 0) -> dict:
         return service.training_runs(owner(request), *paged(limit, offset))

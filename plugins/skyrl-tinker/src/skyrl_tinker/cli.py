@@ -67,6 +67,7 @@ def tinker_group() -> None:
 @tinker_group.command("serve")
 @click.option("--model", "model_dir", required=True, type=click.Path(exists=True, file_okay=False), help="local Hugging Face model directory (the base model)")
 @click.option("--model-name", default=None, help="the base_model name clients use (default: the directory's name)")
+@click.option("--tokenizer-id", default=None, help="what the SDK's TrainingClient.get_tokenizer() loads with AutoTokenizer.from_pretrained: a hub id or a path on the client's machine (default: the model directory, when it holds a tokenizer)")
 @click.option("--engine", type=click.Choice(ENGINES), default="torch", show_default=True, help="inference engine for sampling")
 @click.option("--engine-option", "engine_option", multiple=True, metavar="KEY=VALUE", help="an option of the engine (repeatable; VALUE read as YAML), e.g. kv_cache_memory_bytes=67108864")
 @click.option("--backend", default=None, metavar="NAME", help="train each run on this TrainingBackend (fsdp or megatron) instead of in this process (see docs/tinker.md)")
@@ -81,7 +82,7 @@ def tinker_group() -> None:
 @click.option("--heap-mmap-mib", type=click.IntRange(min=0), default=0, show_default=True, help="tensors of at least this many MiB get their own memory map, returned when freed (0: every freed tensor stays in the heap for reuse, which fragments it and keeps the resident size at its high-water mark)")
 @click.option("--max-request-bytes", type=click.IntRange(min=1024), default=64 * 1024 * 1024, show_default=True, help="larger request bodies get 413")
 def serve(
-    model_dir: str, model_name: str | None, engine: str, engine_option: tuple[str, ...], backend: str | None, host: str, port: int, db_url: str | None,
+    model_dir: str, model_name: str | None, tokenizer_id: str | None, engine: str, engine_option: tuple[str, ...], backend: str | None, host: str, port: int, db_url: str | None,
     checkpoint_dir: str, api_keys_file: str | None, lora_alpha: float, dtype: str, cpu_gemm: str, heap_mmap_mib: int, max_request_bytes: int,
 ) -> None:
     """Serve the Tinker API for one base model on HOST:PORT."""
@@ -115,7 +116,8 @@ def serve(
 
     service = TinkerService(model_dir, db_url=db_url, checkpoint_dir=checkpoint_dir, engine=engine,
                             engine_options=engine_options, backend=backend,
-                            base_model=model_name, lora_alpha=lora_alpha, cpu_gemm=cpu_gemm, dtype=dtype)
+                            base_model=model_name, lora_alpha=lora_alpha, cpu_gemm=cpu_gemm, dtype=dtype,
+                            tokenizer_id=tokenizer_id)
     app = create_app(service, api_keys=api_keys, max_body_bytes=max_request_bytes)
     click.echo(f"skyrl tinker: serving {service.base_model!r} on http://{host}:{port}", err=True)
     try:

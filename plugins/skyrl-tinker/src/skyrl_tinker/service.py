@@ -141,11 +141,18 @@ class TinkerService:
         lora_alpha: float = DEFAULT_LORA_ALPHA,
         cpu_gemm: str = "auto",
         dtype: str = "float32",
+        tokenizer_id: str | None = None,
     ) -> None:
         from skyrl_tinker.trainer import LoraTrainer
 
         self.model_dir = model_dir
         self.base_model = base_model or os.path.basename(os.path.normpath(model_dir))
+        # What the SDK's TrainingClient.get_tokenizer() loads (AutoTokenizer.from_pretrained): by
+        # default the model directory itself when it holds a tokenizer, so a client on this machine
+        # loads it offline; a hub id (--tokenizer-id) serves clients elsewhere.
+        if tokenizer_id is None and os.path.isfile(os.path.join(model_dir, "tokenizer_config.json")):
+            tokenizer_id = os.path.abspath(model_dir)
+        self.tokenizer_id = tokenizer_id
         self.engine_name = engine
         self.engine_options = dict(engine_options or {})
         self._adapter_memory: dict[str, int] = {}  # model id -> bytes its adapter holds (or will)
@@ -422,6 +429,20 @@ class TinkerService:
             raise NotFound(f"session_id {session_id!r} not found")
         return row
 
+    def sessions(self, owner: str, limit: int, offset: int) -> dict[str, Any]:
+        """The caller's sessions, oldest first (``GET /sessions``)."""
+        rows = self.store.rows(SessionRow, owner=owner)
+        return {"sessions": [r.id for r in rows[offset : offset + limit]]}
+
+    def session(self, owner: str, session_id: str) -> dict[str, Any]:
+        """A session's training runs and samplers (``GET /sessions/{id}``)."""
+        row = self._session(owner, session_id)
+        return {
+            "training_run_ids": [m.id for m in self.store.rows(ModelRow, owner=owner, session_id=session_id)],
+            "sampler_ids": [r.id for r in self.store.rows(SamplingSessionRow, owner=owner, session_id=session_id)],
+            "user_metadata": row.user_metadata,
+        }
+
     def heartbeat(self, owner: str, session_id: str) -> None:
         row = self._session(owner, session_id)
         self.store.update(SessionRow, session_id, last_heartbeat=now(), heartbeats=row.heartbeats + 1)
@@ -515,7 +536,7 @@ class TinkerService:
         return {
             "type": "get_info",
             "model_id": model_id,
-            "model_data": {"arch": type(self.trainer.model).__name__, "model_name": self.base_model, "tokenizer_id": None},
+            "model_data": {"arch": type(self.trainer.model).__name__, "model_name": self.base_model, "tokenizer_id": self.tokenizer_id},
             "is_lora": True,
             "lora_rank": row.lora_rank,
             "model_name": self.base_model,
