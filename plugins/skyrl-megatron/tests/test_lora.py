@@ -132,8 +132,6 @@ def test_optim_step_takes_the_callers_hyperparameters(batch_parts):
 @pytest.mark.parametrize(
     "options, model, message",
     [
-        ({"tensor_parallel": 2}, TINY_QWEN3, "LoRA in the megatron backend runs in one process"),
-        ({"world_size": 2}, TINY_QWEN3, "LoRA in the megatron backend runs in one process"),
         ({}, TINY_QWEN3_MOE, "covers dense Llama and Qwen3 models; this model is 'qwen3_moe'"),
         ({"lora": {"rank": 4, "targets": ["unembed"]}}, TINY_QWEN3, "ties lm_head to embed_tokens"),
     ],
@@ -158,5 +156,4 @@ def test_lora_options_are_validated_by_key_path():
     with pytest.raises(ConfigError, match="targets must be a non-empty list") as info:
         structure_options(spec, {"lora": {"rank": 4, "targets": ["experts"]}}, path="backend.options")
     assert "backend.options.lora" in str(info.value)
-    with pytest.raises(ConfigError, match="runs in one process"):
-        structure_options(spec, {"lora": {"rank": 4}, "tensor_parallel": 2}, path="backend.options")
+    assert structure_options(spec, {"lora": {"rank": 4}, "tensor_parallel": 2}, path="backend.options").lora.rank == 4

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from skyrl_megatron.lora import PARTIAL_GRADIENT
+
 
 def _decay_groups(params: list[torch.nn.Parameter], weight_decay: float) -> list[dict[str, Any]]:
     # Matrices decay; norms do not (as in skyrl-fsdp).
@@ -39,7 +41,7 @@ class ShardedAdamW:
     ``finalize_model_grads`` does): per-head q/k norms and GatedDeltaNet's output norm (each rank
     has its own heads), and under sequence parallelism every weight megatron marks
     ``sequence_parallel`` (norms, the MoE router, the shared expert's gate: each rank has its own
-    share of the tokens)."""
+    share of the tokens), and a LoRA adapter's A on column-parallel linears (``skyrl_megatron.lora``)."""
 
     def __init__(
         self,
@@ -61,6 +63,7 @@ class ShardedAdamW:
             p
             for n, p in named
             if getattr(p, "sequence_parallel", False)
+            or getattr(p, PARTIAL_GRADIENT, False)
             or n.endswith(("q_layernorm.weight", "k_layernorm.weight", "self_attention.out_norm.weight"))
         ]
         self.grad_clip, self.weight_decay = grad_clip, weight_decay

@@ -60,7 +60,7 @@ class MegatronOptions:
     lora: LoraOptions | None = attrs.field(
         default=None,
         metadata=_help(
-            "train a LoRA adapter ({rank, alpha, targets}) on frozen base weights, in one process, dense Llama/Qwen3; "
+            "train a LoRA adapter ({rank, alpha, targets}) on frozen base weights (dense Llama/Qwen3, CPU); "
             "exported and saved weights are the adapter merged into the base (skyrl_core.lora.merged_weight)"
         ),
     )
@@ -75,11 +75,6 @@ class MegatronOptions:
             raise ValueError(
                 f"backend.options.expert_parallel ({self.expert_parallel}) must divide the data-parallel degree "
                 f"world_size / tensor_parallel ({self.data_parallel})"
-            )
-        if self.lora is not None and world != 1:
-            raise ValueError(
-                f"backend.options.lora: LoRA in the megatron backend runs in one process (tensor_parallel 1, "
-                f"world_size 1); this backend has {world}. Use the fsdp backend for data-parallel LoRA"
             )
         if self.launcher == "inprocess" and world != 1:
             raise ValueError(

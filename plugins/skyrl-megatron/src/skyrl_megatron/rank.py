@@ -202,7 +202,7 @@ class MegatronRank:
         del hf_state, shard
         self.vocab_width = self.layout.padded_vocab_size(self.tp) // self.tp
         if self.options.lora is not None:  # frozen base, adapters on its linears (skyrl_megatron.lora)
-            lora.attach(self.model, hf_model, self.options.lora, self.layout, seed=seed, padded_vocab=self.vocab_width)
+            lora.attach(self.model, hf_model, self.options.lora, self.layout, seed=seed, tp=self.tp, tp_rank=self.tp_rank)
         del hf_model
         # Op sites: megatron's layers dispatch to what plugins install (skyrl_megatron.ops_sites).
         self.ledger = prepare_model(
@@ -391,6 +391,7 @@ class MegatronRank:
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 CPU weights by Hugging Face name on global rank 0 (``{}`` elsewhere).
         Collective over the tensor-parallel group (gathered on the compute device: nccl needs CUDA)."""
+        adapter = self.adapter_state_dict() if self.options.lora is not None else {}  # (collective)
         shards: list[dict[str, torch.Tensor]] = [{} for _ in range(self.tp)]
         local_experts = self.layout.num_experts // self.ep
         for name, param in self.model.named_parameters():
@@ -408,14 +409,16 @@ class MegatronRank:
             return {}
         weights = megatron_to_hf(shards, self.layout, fused_norms=self.use_transformer_engine)
         if self.options.lora is not None:
-            weights = lora.merged(weights, self.adapter_state_dict(), self.options.lora)
+            weights = lora.merged(weights, adapter, self.options.lora)
         return weights
 
     def adapter_state_dict(self) -> dict[str, torch.Tensor]:
-        """The LoRA adapter's own tensors under peft's names (fp32, CPU)."""
+        """The LoRA adapter's own tensors under peft's names (fp32, CPU) on global rank 0; ``{}``
+        elsewhere. Collective over the tensor-parallel group."""
         if self.options.lora is None:
             raise ValueError("export_adapter: this backend trains no LoRA adapter (backend.options.lora is not set)")
-        return lora.export(self.model, self.layout, self.options.lora.targets)
+        adapter = lora.export(self.model, self.layout, self.options.lora.targets, tp=self.tp, tp_group=self.tp_group)
+        return adapter if self.rank == 0 else {}
 
     def save_hf(self, path: str) -> None:
         """Rank 0 writes ``config.json`` and ``model.safetensors`` into the existing ``path``. Collective."""
