@@ -4,6 +4,10 @@ so that they follow the same curve for the same trainer config."""
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from skyrl_core.config.schema import TrainerConfig
 
 SCHEDULES = ("constant", "cosine", "linear")
 
@@ -24,3 +28,9 @@ def lr_factor(step: int, *, schedule: str, warmup_steps: int, total_steps: int) 
     if schedule == "cosine":
         return 0.5 * (1.0 + math.cos(math.pi * progress))
     return 1.0 - progress
+
+
+def scheduled_lr(trainer: "TrainerConfig", step: int, total_steps: int) -> float:
+    """The trainer config's learning rate at optimizer step ``step`` of ``total_steps``: its peak
+    ``lr`` times ``lr_factor`` of its schedule and warm-up."""
+    return trainer.lr * lr_factor(step, schedule=trainer.lr_schedule, warmup_steps=trainer.warmup_steps, total_steps=total_steps)

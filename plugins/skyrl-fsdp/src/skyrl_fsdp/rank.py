@@ -57,7 +57,7 @@ from skyrl_fsdp.gathered import gathered_for_call
 from skyrl_fsdp.hf_io import read_hf_weights, tied_aliases, write_hf_dir
 from skyrl_fsdp.lora import apply_lora, hf_state_dict, is_adapter_tensor, read_adapter, save_adapter
 from skyrl_fsdp.options import FSDPOptions
-from skyrl_core.lr_schedule import lr_factor
+from skyrl_core.lr_schedule import scheduled_lr
 
 OPTIMIZER_FILE = "optimizer.safetensors"
 TRAINER_STATE_FILE = "fsdp_trainer_state.safetensors"
@@ -279,12 +279,7 @@ class FSDPRank:
 
     def optim_step(self, hyperparams: OptimizerHyperparams | None = None) -> dict[str, float]:
         if hyperparams is None:
-            lr = self.trainer.lr * lr_factor(
-                self.optimizer_steps,
-                schedule=self.trainer.lr_schedule,
-                warmup_steps=self.trainer.warmup_steps,
-                total_steps=self.total_optimizer_steps,
-            )
+            lr = scheduled_lr(self.trainer, self.optimizer_steps, self.total_optimizer_steps)
             clip = self.trainer.grad_clip
         else:  # the caller's settings for this step (the no-decay group keeps weight decay 0)
             lr, clip = hyperparams.lr, hyperparams.grad_clip or math.inf

@@ -38,7 +38,7 @@ from skyrl_megatron.optimizers import MegatronAdam, ShardedAdamW, wrap_for_gpu_t
 from skyrl_megatron.options import MegatronOptions
 from skyrl_core.heap import keep_freed_memory
 from skyrl_core.local_ray import adopt_skyrl_environment
-from skyrl_core.lr_schedule import lr_factor
+from skyrl_core.lr_schedule import scheduled_lr
 from skyrl_core.state_file import load_state, save_state
 
 # 2: state in safetensors + JSON (format 1 used torch.save, i.e. pickle, which loading would execute).
@@ -366,12 +366,7 @@ class MegatronRank:
         """One AdamW step: at the trainer config's schedule, or with ``hyperparams`` (the caller's
         lr, betas, eps, weight decay and clip for this step; CPU optimizer only)."""
         if hyperparams is None:
-            lr = self.trainer.lr * lr_factor(
-                self.optimizer_steps,
-                schedule=self.trainer.lr_schedule,
-                warmup_steps=self.trainer.warmup_steps,
-                total_steps=self.total_optimizer_steps,
-            )
+            lr = scheduled_lr(self.trainer, self.optimizer_steps, self.total_optimizer_steps)
             grad_norm = self.optimizer.step(lr)
         else:
             if not isinstance(self.optimizer, ShardedAdamW):  # pragma: no cover - needs CUDA
