@@ -157,3 +157,19 @@ def test_lora_options_are_validated_by_key_path():
         structure_options(spec, {"lora": {"rank": 4, "targets": ["experts"]}}, path="backend.options")
     assert "backend.options.lora" in str(info.value)
     assert structure_options(spec, {"lora": {"rank": 4}, "tensor_parallel": 2}, path="backend.options").lora.rank == 4
+
+
+@pytest.mark.parametrize(
+    "lora, message",
+    [
+        ({"rank": 0}, "rank must be an integer >= 1"),
+        ({"rank": 4, "bogus": 1}, "lora: unknown key 'bogus'; allowed: rank, alpha, targets"),
+        ("yes", "lora must be a mapping"),
+    ],
+)
+def test_lora_given_in_python_is_checked_like_config(lora, message):
+    """``MegatronOptions(lora={...})`` from Python: the mapping becomes LoraOptions, checked; it was
+    kept as a raw dict (a rank of 0 or any value passed until the backend used it)."""
+    with pytest.raises(ValueError, match=message):
+        MegatronOptions(lora=lora)
+    assert MegatronOptions(lora={"rank": 4}).lora == LoraOptions(rank=4)

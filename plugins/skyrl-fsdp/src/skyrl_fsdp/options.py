@@ -7,7 +7,7 @@ from typing import Any
 import attrs
 
 from skyrl_core.config.validators import boolean, one_of, optional_positive_int, positive_int
-from skyrl_core.lora_options import LoraOptions  # (shared with skyrl-megatron; importable from here as before)
+from skyrl_core.lora_options import LoraOptions, lora_field  # (shared with skyrl-megatron; importable from here as before)
 
 PRECISIONS = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -83,10 +83,7 @@ class FSDPOptions:
             "backend instead of killing them (saves a process start and imports per rank)"
         },
     )
-    lora: LoraOptions | None = attrs.field(
-        default=None,
-        metadata={
-            "help": "train a LoRA adapter ({rank, alpha, targets}) on frozen base weights; exported and saved "
-            "weights are the adapter merged into the base (skyrl_core.lora.merged_weight)"
-        },
+    lora: LoraOptions | None = lora_field(
+        "train a LoRA adapter ({rank, alpha, targets}) on frozen base weights; exported and saved "
+        "weights are the adapter merged into the base (skyrl_core.lora.merged_weight)"
     )

@@ -10,7 +10,7 @@ from typing import Any
 import attrs
 
 from skyrl_core.config.validators import one_of, optional_positive_int, positive_int
-from skyrl_core.lora_options import LoraOptions
+from skyrl_core.lora_options import LoraOptions, lora_field
 
 
 def _help(text: str) -> dict[str, Any]:
@@ -57,12 +57,9 @@ class MegatronOptions:
     torch_threads: int | None = attrs.field(
         default=None, validator=optional_positive_int, metadata=_help("torch CPU threads per Ray worker (default: torch's own)")
     )
-    lora: LoraOptions | None = attrs.field(
-        default=None,
-        metadata=_help(
-            "train a LoRA adapter ({rank, alpha, targets}) on frozen base weights (dense Llama/Qwen3, CPU); "
-            "exported and saved weights are the adapter merged into the base (skyrl_core.lora.merged_weight)"
-        ),
+    lora: LoraOptions | None = lora_field(
+        "train a LoRA adapter ({rank, alpha, targets}) on frozen base weights (dense Llama/Qwen3, CPU); "
+        "exported and saved weights are the adapter merged into the base (skyrl_core.lora.merged_weight)"
     )
 
     def __attrs_post_init__(self) -> None:
