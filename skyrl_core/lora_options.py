@@ -3,12 +3,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
-from skyrl_core.config.validators import positive_int, positive_number
+from skyrl_core.config.validators import holds, nested, positive_int, positive_number
 
 
 def _lora_targets(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -33,28 +32,8 @@ class LoraOptions:
     )
 
 
-def _as_lora_options(value: Any) -> Any:
-    # A mapping given in Python (``FSDPOptions(lora={"rank": 8})``) is checked as the config loader
-    # checks one; ``None`` is no adapter.
-    if isinstance(value, Mapping):
-        allowed = [f.name for f in attrs.fields(LoraOptions)]
-        unknown = [k for k in value if k not in allowed]
-        if unknown:
-            raise ValueError(f"lora: unknown key {unknown[0]!r}; allowed: {', '.join(allowed)}")
-        return LoraOptions(**value)
-    return value
-
-
-def _lora_or_none(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if value is not None and not isinstance(value, LoraOptions):
-        raise ValueError(f"lora must be a mapping {{rank, alpha, targets}} or null; got {value!r}")
-
-
 def lora_field(help_text: str) -> Any:
-    """A backend option ``lora``: ``None`` or ``LoraOptions`` (a mapping is converted and checked)."""
-    return attrs.field(
-        default=None,
-        converter=_as_lora_options,
-        validator=_lora_or_none,
-        metadata={"help": help_text},
-    )
+    """A backend option ``lora``: ``None`` or ``LoraOptions`` (a mapping given in Python is
+    converted and checked, ``skyrl_core.config.validators.nested``)."""
+    return attrs.field(default=None, converter=nested(LoraOptions), validator=holds(LoraOptions, optional=True),
+                       metadata={"help": help_text})

@@ -8,28 +8,49 @@ structured with that plugin's own options class (see ``skyrl_core.config.loader`
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import attrs
+
+from skyrl_core.config.validators import holds, nested
 
 
 def _help(text: str, **kw: Any) -> dict[str, Any]:
     return {"help": text, **kw}
 
 
+def _section(cls: type, text: str, **kw: Any) -> Any:
+    """A field holding section ``cls``: given as a mapping in Python it becomes ``cls``, checked
+    (``skyrl_core.config.validators.nested``); the loader gives it a ``cls`` already."""
+    return attrs.field(converter=nested(cls), validator=holds(cls), metadata=_help(text), **kw)
+
+
+def _number(value: Any) -> None:
+    # (a string, a bool or NaN compares as no bound wants: refused before the comparison)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise ValueError(f"must be a number; got {value!r}")
+
+
 def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if value is not None and value <= 0:
-        raise ValueError("must be > 0")
+    if value is not None:
+        _number(value)
+        if value <= 0:
+            raise ValueError("must be > 0")
 
 
 def _non_negative(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if value is not None and value < 0:
-        raise ValueError("must be >= 0")
+    if value is not None:
+        _number(value)
+        if value < 0:
+            raise ValueError("must be >= 0")
 
 
 def _unit_mass(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if value is not None and not 0 < value <= 1:
-        raise ValueError("must be in (0, 1]")
+    if value is not None:
+        _number(value)
+        if not 0 < value <= 1:
+            raise ValueError("must be in (0, 1]")
 
 
 def _one_of(*allowed: Any):
@@ -257,8 +278,8 @@ class CriticConfig:
 
 @attrs.frozen(kw_only=True)
 class AlgorithmConfig:
-    policy_loss: Selection = attrs.field(factory=lambda: Selection(name="ppo"), metadata=_help("policy loss"))
-    advantage: Selection = attrs.field(factory=lambda: Selection(name="grpo"), metadata=_help("advantage estimator"))
+    policy_loss: Selection = _section(Selection, "policy loss", factory=lambda: Selection(name="ppo"))
+    advantage: Selection = _section(Selection, "advantage estimator", factory=lambda: Selection(name="grpo"))
     loss_reduction: str | None = attrs.field(
         default=None,
         validator=_optional_one_of(
@@ -269,16 +290,15 @@ class AlgorithmConfig:
             "policy_loss.options.loss_reduction is an error)"
         ),
     )
-    kl: KLConfig = attrs.field(factory=KLConfig, metadata=_help("KL regularisation"))
+    kl: KLConfig = _section(KLConfig, "KL regularisation", factory=KLConfig)
     entropy_coef: float = attrs.field(default=0.0, metadata=_help("entropy bonus coefficient"))
-    off_policy: OffPolicyConfig = attrs.field(factory=OffPolicyConfig, metadata=_help("off-policy correction"))
-    dynamic_sampling: DynamicSamplingConfig = attrs.field(
-        factory=DynamicSamplingConfig, metadata=_help("groups whose rewards are all equal")
-    )
+    off_policy: OffPolicyConfig = _section(OffPolicyConfig, "off-policy correction", factory=OffPolicyConfig)
+    dynamic_sampling: DynamicSamplingConfig = _section(DynamicSamplingConfig, "groups whose rewards are all equal",
+                                                       factory=DynamicSamplingConfig)
     value_clip: float = attrs.field(default=0.2, validator=_positive, metadata=_help("critic value clip (GAE)"))
-    critic: CriticConfig = attrs.field(factory=CriticConfig, metadata=_help("value model for PPO with GAE"))
-    distillation: DistillationConfig = attrs.field(factory=DistillationConfig,
-                                                   metadata=_help("on-policy distillation from a teacher"))
+    critic: CriticConfig = _section(CriticConfig, "value model for PPO with GAE", factory=CriticConfig)
+    distillation: DistillationConfig = _section(DistillationConfig, "on-policy distillation from a teacher",
+                                                factory=DistillationConfig)
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.policy_loss.options, dict):  # structured options (raw dicts are not yet checked)
@@ -378,7 +398,7 @@ class TrainerConfig:
         metadata=_help("sync: generate, then train; one_step_off: generate step k+1 while step k trains; "
                        "fully_async: generation never waits, weights updated in flight (docs/training.md)"),
     )
-    fully_async: FullyAsyncConfig = attrs.field(factory=FullyAsyncConfig, metadata=_help("trainer.mode=fully_async"))
+    fully_async: FullyAsyncConfig = _section(FullyAsyncConfig, "trainer.mode=fully_async", factory=FullyAsyncConfig)
     reuse_rollout_logprobs: bool = attrs.field(
         default=False, metadata=_help("use engine logprobs as old logprobs (only safe with a verified execution contract)")
     )
@@ -409,13 +429,14 @@ class RolloutConfig:
 class Config:
     """A whole run."""
 
-    model: ModelConfig = attrs.field(metadata=_help("the policy model"))
-    engine: EngineConfig = attrs.field(factory=lambda: EngineConfig(name="torch"), metadata=_help("inference engine"))
-    backend: Selection = attrs.field(factory=lambda: Selection(name="fsdp"), metadata=_help("training backend"))
-    environment: Selection = attrs.field(factory=lambda: Selection(name="arithmetic"), metadata=_help("the environment of every row (see data.env_class_from_rows)"))
-    algorithm: AlgorithmConfig = attrs.field(factory=AlgorithmConfig, metadata=_help("RL algorithm"))
-    generation: GenerationConfig = attrs.field(factory=GenerationConfig, metadata=_help("sampling"))
-    rollout: RolloutConfig = attrs.field(factory=RolloutConfig, metadata=_help("rollouts"))
-    data: DataConfig = attrs.field(factory=DataConfig, metadata=_help("datasets"))
-    trainer: TrainerConfig = attrs.field(factory=TrainerConfig, metadata=_help("training loop"))
+    model: ModelConfig = _section(ModelConfig, "the policy model")
+    engine: EngineConfig = _section(EngineConfig, "inference engine", factory=lambda: EngineConfig(name="torch"))
+    backend: Selection = _section(Selection, "training backend", factory=lambda: Selection(name="fsdp"))
+    environment: Selection = _section(Selection, "the environment of every row (see data.env_class_from_rows)",
+                                      factory=lambda: Selection(name="arithmetic"))
+    algorithm: AlgorithmConfig = _section(AlgorithmConfig, "RL algorithm", factory=AlgorithmConfig)
+    generation: GenerationConfig = _section(GenerationConfig, "sampling", factory=GenerationConfig)
+    rollout: RolloutConfig = _section(RolloutConfig, "rollouts", factory=RolloutConfig)
+    data: DataConfig = _section(DataConfig, "datasets", factory=DataConfig)
+    trainer: TrainerConfig = _section(TrainerConfig, "training loop", factory=TrainerConfig)
     plugins: dict[str, Any] = attrs.field(factory=dict, metadata=_help("sections added by plugins (e.g. isoexec)"))

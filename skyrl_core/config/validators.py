@@ -10,6 +10,7 @@ the allowed values and suggests the closest one. Importing this module imports o
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import attrs
@@ -69,3 +70,33 @@ def boolean(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
 def positive_number(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"{field_name(instance, attribute)} must be a number > 0; got {value!r}")
+
+
+def nested(cls: type) -> Any:
+    """Converter of a field that holds options class ``cls``: a mapping given in Python
+    (``AlgorithmConfig(kl={"coef": 0.1})``) becomes ``cls``, its keys and values checked as the
+    config loader checks them (it was kept as a raw dict, checked by nothing); an instance or
+    None passes (``holds`` then checks the type)."""
+
+    def convert(value: Any) -> Any:
+        if isinstance(value, Mapping):
+            allowed = [f.alias for f in attrs.fields(cls)]
+            unknown = [key for key in value if key not in allowed]
+            if unknown:
+                raise ValueError(f"{cls.__name__}: unknown key {unknown[0]!r}; allowed: {', '.join(allowed)}")
+            return cls(**value)
+        return value
+
+    return convert
+
+
+def holds(cls: type, *, optional: bool = False) -> Validator:
+    """The value is a ``cls`` (or None, with ``optional``): for fields converted by ``nested``."""
+
+    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if (value is None and optional) or isinstance(value, cls):
+            return
+        raise ValueError(f"{field_name(instance, attribute)} must be a mapping of {cls.__name__} options"
+                         f"{' or null' if optional else ''}; got {value!r}")
+
+    return check

@@ -60,3 +60,20 @@ def test_generation_top_p_is_a_probability_mass(tmp_path):
     with pytest.raises(ConfigError, match=r"generation.top_p: 1.5 is invalid: must be in \(0, 1\]"):
         load_config(str(path), ["generation.top_p=1.5"])
     assert load_config(str(path), ["generation.top_p=1.0"]).generation.top_p == 1.0
+
+
+def test_sections_given_as_mappings_in_python_are_built_and_checked():
+    """``AlgorithmConfig(kl={...})`` from Python: the mapping becomes the section's class, checked as
+    the loader checks it; it was kept as a raw dict, so a misspelt key or a bad value passed."""
+    from skyrl_core.config.schema import AlgorithmConfig, Config, KLConfig
+
+    assert AlgorithmConfig(kl={"coef": 0.1}).kl == KLConfig(coef=0.1)
+    with pytest.raises(ValueError, match="KLConfig: unknown key 'coeff'; allowed: estimator, use_as, coef"):
+        AlgorithmConfig(kl={"coeff": 0.1})
+    with pytest.raises(ValueError, match=r"AlgorithmConfig\.kl must be a mapping of KLConfig options; got 'x'"):
+        AlgorithmConfig(kl="x")
+    config = Config(model={"path": None, "config": {"model_type": "qwen3"}}, trainer={"lr": 1e-5})
+    assert config.trainer.lr == 1e-5 and config.model.config == {"model_type": "qwen3"}
+    for bad in ("fast", float("nan"), True):  # (each compared as no bound means: accepted before)
+        with pytest.raises(ValueError, match="must be a number"):
+            Config(model={"config": {}}, trainer={"lr": bad})

@@ -163,8 +163,8 @@ def test_lora_options_are_validated_by_key_path():
     "lora, message",
     [
         ({"rank": 0}, "rank must be an integer >= 1"),
-        ({"rank": 4, "bogus": 1}, "lora: unknown key 'bogus'; allowed: rank, alpha, targets"),
-        ("yes", "lora must be a mapping"),
+        ({"rank": 4, "bogus": 1}, "LoraOptions: unknown key 'bogus'; allowed: rank, alpha, targets"),
+        ("yes", "MegatronOptions.lora must be a mapping of LoraOptions options or null"),
     ],
 )
 def test_lora_given_in_python_is_checked_like_config(lora, message):

@@ -9,7 +9,7 @@ from typing import Any
 
 import attrs
 
-from skyrl_core.config.validators import one_of, optional_positive_int
+from skyrl_core.config.validators import holds, nested, one_of, optional_positive_int
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -96,7 +96,8 @@ class OpenAIOptions:
         default=False, metadata=_help("start `vllm serve` on 127.0.0.1 for the policy (enables weight sync)")
     )
     vllm: VLLMOptions = attrs.field(
-        factory=VLLMOptions, metadata=_help("options of the launched vLLM server (launch: true only)")
+        factory=VLLMOptions, converter=nested(VLLMOptions), validator=holds(VLLMOptions),
+        metadata=_help("options of the launched vLLM server (launch: true only)"),
     )
     max_concurrency: int = attrs.field(
         default=32, validator=optional_positive_int, metadata=_help("requests in flight at once")
