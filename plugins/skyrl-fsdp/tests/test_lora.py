@@ -1,21 +1,10 @@
 """``backend.options.lora``: an adapter trained on frozen base weights, exported merged, resumed exactly."""
 
 import pytest
-import torch
 
 from skyrl_core.config.schema import ModelConfig, TrainerConfig
-from skyrl_core.testing.backend_contract import (
-    PROMPT_LENGTHS,
-    RESPONSE_LENGTHS,
-    TINY_QWEN3,
-    assert_weights_bitwise_equal,
-    bits,
-    hf_model_with,
-    make_batch,
-    mean_logprob_loss,
-    random_sequences,
-    reference_logprobs,
-)
+from skyrl_core.testing.backend_contract import TINY_QWEN3
+from skyrl_core.testing.lora_contract import check_lora_trains_alone_exports_merged_and_resumes
 from skyrl_fsdp.backend import FSDPBackend
 from skyrl_fsdp.options import FSDPOptions, LoraOptions
 
@@ -29,33 +18,7 @@ def backend(lora=LORA):
 
 
 def test_lora_trains_the_adapter_only_and_exports_merged_hf_weights(tmp_path):
-    prompts, responses = random_sequences(PROMPT_LENGTHS, RESPONSE_LENGTHS, vocab_size=512)
-    batch = make_batch(prompts, responses)
-    with backend(None) as full:
-        base = dict(full.export_weights())
-    with backend() as fsdp:
-        before = dict(fsdp.export_weights())
-        assert_weights_bitwise_equal(before, base)  # B starts at zero: the merged model is the base model
-        fsdp.forward_backward(batch, mean_logprob_loss)
-        fsdp.optim_step()
-        after = dict(fsdp.export_weights())
-        assert list(after) == list(base)  # plain Hugging Face names, no adapter tensors
-        changed = {n for n in after if not torch.equal(bits(after[n]), bits(base[n]))}
-        adapted = {n for n in base if n.rsplit(".", 2)[-2] in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")}
-        assert changed == adapted  # embeddings and norms are frozen; every adapted layer moved
-        # What is exported is what the backend computes: a plain model with these weights agrees.
-        assert (fsdp.forward(batch) - reference_logprobs(hf_model_with(MODEL, after), prompts, responses)).abs().max() < 1e-5
-
-        fsdp.save_checkpoint(str(tmp_path / "ck"))
-        fsdp.forward_backward(batch, mean_logprob_loss)
-        fsdp.optim_step()
-        continued = dict(fsdp.export_weights())
-    with backend() as resumed:
-        resumed.load_checkpoint(str(tmp_path / "ck"))
-        assert_weights_bitwise_equal(dict(resumed.export_weights()), after)
-        resumed.forward_backward(batch, mean_logprob_loss)
-        resumed.optim_step()
-        assert_weights_bitwise_equal(dict(resumed.export_weights()), continued)  # adapter and AdamW state restored
+    check_lora_trains_alone_exports_merged_and_resumes(lambda lora: backend(LORA if lora else None), MODEL, tmp_path)
 
 
 @pytest.mark.parametrize(

@@ -13,13 +13,11 @@ from skyrl_core.testing.backend_contract import (
     TINY_LLAMA,
     TINY_QWEN3,
     assert_weights_bitwise_equal,
-    bits,
-    hf_model_with,
     make_batch,
     mean_logprob_loss,
     random_sequences,
-    reference_logprobs,
 )
+from skyrl_core.testing.lora_contract import check_lora_trains_alone_exports_merged_and_resumes
 from skyrl_core.types import OptimizerHyperparams
 from skyrl_megatron.backend import MegatronBackend
 from skyrl_megatron.options import MegatronOptions
@@ -28,7 +26,6 @@ from megatron_test_models import TINY_QWEN3_MOE
 
 MODEL = ModelConfig(config=dict(TINY_QWEN3))
 LORA = {"rank": 4, "alpha": 8.0, "targets": ["attn", "mlp"]}
-ADAPTED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def megatron(lora=LORA, model=MODEL, seed=0):
@@ -41,40 +38,8 @@ def batch_parts():
     return random_sequences(PROMPT_LENGTHS, RESPONSE_LENGTHS, vocab_size=512)
 
 
-def test_lora_trains_the_adapter_only_and_exports_merged_hf_weights(tmp_path, batch_parts):
-    prompts, responses = batch_parts
-    batch = make_batch(prompts, responses)
-    with megatron(None) as full:
-        base = dict(full.export_weights())
-    with megatron() as backend:
-        assert_weights_bitwise_equal(dict(backend.export_weights()), base)  # B starts at zero
-        backend.forward_backward(batch, mean_logprob_loss)
-        backend.optim_step()
-        after = dict(backend.export_weights())
-        assert list(after) == list(base)  # plain Hugging Face names, no adapter tensors
-        changed = {n for n in after if not torch.equal(bits(after[n]), bits(base[n]))}
-        assert changed == {n for n in base if n.rsplit(".", 2)[-2] in ADAPTED}  # every adapted layer, nothing else
-        # What is exported is what the backend computes: a plain model with these weights agrees.
-        assert (backend.forward(batch) - reference_logprobs(hf_model_with(MODEL, after), prompts, responses)).abs().max() < 1e-5
-
-        backend.save_checkpoint(str(tmp_path / "ck"))
-        backend.forward_backward(batch, mean_logprob_loss)
-        backend.optim_step()
-        continued = dict(backend.export_weights())
-        adapter = backend.export_adapter()
-    with megatron() as resumed:
-        resumed.load_checkpoint(str(tmp_path / "ck"))
-        assert_weights_bitwise_equal(dict(resumed.export_weights()), after)
-        resumed.forward_backward(batch, mean_logprob_loss)
-        resumed.optim_step()
-        assert_weights_bitwise_equal(dict(resumed.export_weights()), continued)  # adapter and AdamW state restored
-        assert_weights_bitwise_equal(resumed.export_adapter(), adapter)
-    with megatron() as fresh:  # weights only: AdamW starts over, so the next step differs
-        fresh.load_checkpoint(str(tmp_path / "ck"), optimizer=False)
-        fresh.forward_backward(batch, mean_logprob_loss)
-        fresh.optim_step()
-        moved = fresh.export_adapter()
-        assert any(not torch.equal(moved[k], adapter[k]) for k in adapter)
+def test_lora_trains_the_adapter_only_and_exports_merged_hf_weights(tmp_path):
+    check_lora_trains_alone_exports_merged_and_resumes(lambda lora: megatron(LORA if lora else None), MODEL, tmp_path)
 
 
 @pytest.mark.parametrize("config", [TINY_QWEN3, TINY_LLAMA], ids=["qwen3", "llama"])
