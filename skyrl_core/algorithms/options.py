@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 import attrs
 
-from skyrl_core.config.validators import field_name, one_of, optional_positive_int
+from skyrl_core.config.validators import field_name, is_finite_number, one_of, optional_positive_int
 
 LOSS_REDUCTIONS: tuple[str, ...] = (
     "token_mean", "sequence_mean", "seq_mean_token_sum_norm", "prompt_mean", "token_mean_legacy",
@@ -241,9 +241,8 @@ class ImportanceSamplingOptions:
 
 
 def _finite_non_negative(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    _non_negative(instance, attribute, value)
-    if value == float("inf"):
-        raise ValueError(f"{field_name(instance, attribute)} must be finite, got {value!r}")
+    if not (is_finite_number(value) and value >= 0):
+        raise ValueError(f"{field_name(instance, attribute)} must be a finite number >= 0, got {value!r}")
 
 
 @attrs.frozen(kw_only=True)

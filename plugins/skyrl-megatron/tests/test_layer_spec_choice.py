@@ -55,10 +55,3 @@ def test_isoexec_on_installs_trainer_ops_and_off_installs_none():
     assert sites == {"trainer_forward", "trainer_score"}
     assert any(entry.startswith("linear@") for entry in on) and any(entry.startswith("attention@") for entry in on)
 
-
-def test_a_lora_adapter_takes_the_local_layers_on_cuda():
-    """Transformer Engine's fused-norm linear sees the hidden state before its norm; the adapter's
-    hook must see what the product sees, so LoRA builds megatron's local layers."""
-    choice = choose_layer_spec(device_type="cuda", te_available=True, model_type="qwen3", installed_ops=(), lora=True)
-    assert choice.spec == LOCAL and not choice.transformer_engine and "LoRA" in choice.reason
-    assert choose_layer_spec(device_type="cuda", te_available=True, model_type="qwen3", installed_ops=()).transformer_engine

@@ -50,19 +50,13 @@ def installed_trainer_ops() -> tuple[str, ...]:
     return tuple(found)
 
 
-def choose_layer_spec(*, device_type: str, te_available: bool, model_type: str, installed_ops: Sequence[str],
-                      lora: bool = False) -> LayerSpecChoice:
+def choose_layer_spec(*, device_type: str, te_available: bool, model_type: str, installed_ops: Sequence[str]) -> LayerSpecChoice:
     """The layer spec for a rank on ``device_type`` (``cpu``/``cuda``), given whether
-    ``transformer_engine`` imports, the Hugging Face ``model_type``, ``installed_trainer_ops()`` and
-    whether a LoRA adapter is trained."""
+    ``transformer_engine`` imports, the Hugging Face ``model_type`` and ``installed_trainer_ops()``."""
     if device_type != "cuda":
         return LayerSpecChoice(LOCAL, f"device {device_type}: Transformer Engine runs on CUDA only")
     if not te_available:
         return LayerSpecChoice(LOCAL, "transformer_engine is not installed")
-    if lora:
-        # Transformer Engine's fused-norm linear takes the hidden state before its norm; the
-        # adapter (skyrl_megatron.lora) must see what the linear's product sees.
-        return LayerSpecChoice(LOCAL, "LoRA adapters hook megatron's local linears", te_passed_over=True)
     if model_type == "qwen3_next":
         # megatron's hybrid spec cannot scale norms by (1 + weight) as Qwen3-Next stores them.
         return LayerSpecChoice(LOCAL, "the Qwen3-Next hybrid is built from local modules (skyrl_megatron.hybrid)")

@@ -22,8 +22,9 @@ Tensor parallelism splits each adapter as its linear is split:
   and its product with this rank's share of the input is summed over the group
   (``reduce_from_tensor_model_parallel_region``) before B, which is whole on every rank.
 
-MoE and hybrid models, and Transformer Engine's fused-norm layers (whose linear sees the hidden
-state before its norm) are refused or avoided: ``check`` names why.
+MoE and hybrid models and CUDA ranks are refused (``check`` and the rank name why). On CUDA,
+Transformer Engine's fused-norm linear would see the hidden state before its norm: the GPU path
+would need the local layers for these hooks.
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.distributed as dist
 
 from skyrl_core.lora_options import LoraOptions
+from skyrl_megatron.collectives import all_gather
 from skyrl_megatron.layout import GPTLayout
 
 ADAPTER = "default"
@@ -187,20 +188,14 @@ def export(model: torch.nn.Module, layout: GPTLayout, groups: Sequence[str], *, 
             a, b = a.detach().float().contiguous(), b.detach().float().contiguous()
             if tp > 1:
                 if row:
-                    a = torch.cat(_gathered(a, tp, tp_group), dim=1)
+                    a = torch.cat(all_gather(a, tp_group), dim=1)
                 else:
-                    b = torch.cat(_gathered(b, tp, tp_group), dim=0)
+                    b = torch.cat(all_gather(b, tp_group), dim=0)
             if name == "output_layer":
                 b = b[: layout.vocab_size]
             out[f"{part}.lora_A.{ADAPTER}.weight"] = a.cpu().clone()
             out[f"{part}.lora_B.{ADAPTER}.weight"] = b.cpu().clone()
     return out
-
-
-def _gathered(t: torch.Tensor, tp: int, group: Any) -> list[torch.Tensor]:
-    parts = [torch.empty_like(t) for _ in range(tp)]
-    dist.all_gather(parts, t, group=group)
-    return parts
 
 
 def merged(hf_weights: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor], options: LoraOptions) -> dict[str, torch.Tensor]:

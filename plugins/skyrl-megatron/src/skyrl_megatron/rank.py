@@ -29,6 +29,7 @@ from skyrl_core.rng_state import capture_rng_state, restore_rng_state
 from skyrl_core.types import OptimizerHyperparams, TrainingBatch
 from skyrl_megatron import logprobs as vp
 from skyrl_megatron import lora
+from skyrl_megatron.collectives import all_gather
 from skyrl_megatron.convert import expert_name, hf_to_megatron, megatron_to_hf
 from skyrl_megatron.layer_spec import choose_layer_spec, installed_trainer_ops, log_choice
 from skyrl_megatron.layout import GPTLayout, check_parallel, layout_from_hf_config
@@ -177,7 +178,6 @@ class MegatronRank:
             te_available=self.device.type == "cuda" and transformer_engine_available(),
             model_type=self.layout.model_type,
             installed_ops=installed_trainer_ops(),
-            lora=self.options.lora is not None,
         )
         log_choice(choice, rank=self.rank, dtype=str(self.params_dtype).removeprefix("torch."))
         self.layer_spec_reason = choice.reason
@@ -392,13 +392,13 @@ class MegatronRank:
         for name, param in self.model.named_parameters():
             if lora.is_adapter_parameter(name):
                 continue
-            for r, part in enumerate(_all_gather(param.detach().float().contiguous(), self.tp_group)):
+            for r, part in enumerate(all_gather(param.detach().float().contiguous(), self.tp_group)):
                 if ".local_experts." not in name:
                     shards[r][name] = part.cpu()
                     continue
                 local = int(name.split(".local_experts.")[1].split(".")[0])
                 # Expert-parallel rank k holds experts k * E / ep onwards.
-                for k, expert in enumerate(_all_gather(part, self.ep_group)):
+                for k, expert in enumerate(all_gather(part, self.ep_group)):
                     shards[r][expert_name(name, k * local_experts + local)] = expert.cpu()
         if self.rank != 0:
             return {}
@@ -496,14 +496,6 @@ class MegatronRank:
         for attr in ("optimizer", "module", "model"):
             self.__dict__.pop(attr, None)
         _release_parallel_state()
-
-
-def _all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
-    if dist.get_world_size(group) == 1:
-        return [t]
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, t, group=group)
-    return parts
 
 
 def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -40,6 +40,17 @@ INPUT_FIELDS = {"weights": "token_weights", "logprobs": "rollout_logprobs", "adv
 BACKENDS = ("fsdp", "megatron")
 
 
+def takes_cpu_gemm(name: str) -> bool:
+    """Whether backend ``name`` has a ``cpu_gemm`` option (fsdp does; megatron computes with its own
+    layers' products, so ``--cpu-gemm`` other than auto is refused for it: ``cli.check_backend``)."""
+    import attrs
+
+    from skyrl_core.plugins.manager import get_plugin_manager
+
+    options = get_plugin_manager().spec("training_backend", name).load_options_class()
+    return options is not None and "cpu_gemm" in attrs.fields_dict(options)
+
+
 def build_backend(name: str, model_dir: str, *, rank: int, alpha: float, groups: tuple[str, ...], seed: int,
                   micro_batch_tokens: int, cpu_gemm: str, dtype: str = "float32") -> Any:
     from skyrl_core.config.loader import structure_options
@@ -47,7 +58,7 @@ def build_backend(name: str, model_dir: str, *, rank: int, alpha: float, groups:
 
     spec = get_plugin_manager().spec("training_backend", name)
     given: dict[str, Any] = {"lora": {"rank": rank, "alpha": alpha, "targets": list(groups)}}
-    if name == "fsdp":  # (megatron's CPU products are its own)
+    if takes_cpu_gemm(name):
         given["cpu_gemm"] = cpu_gemm
     options = structure_options(spec, given, path=f"backend:{name}")
     # Tinker's AdamParams come with every optim_step; the config's lr/clip are not used. Passes are

@@ -45,9 +45,10 @@ def parse_engine_options(engine: str, pairs: tuple[str, ...]) -> dict:
     return options
 
 
-def check_backend(name: str) -> None:
-    """Refuse, before anything loads, a backend Tinker runs cannot train on."""
-    from skyrl_tinker.backend_trainer import BACKENDS
+def check_backend(name: str, cpu_gemm: str = "auto") -> None:
+    """Refuse, before anything loads, a backend Tinker runs cannot train on, and a ``--cpu-gemm``
+    choice it would not follow."""
+    from skyrl_tinker.backend_trainer import BACKENDS, takes_cpu_gemm
 
     if name not in BACKENDS:
         raise click.BadParameter(f"{name!r}: allowed: {', '.join(BACKENDS)} (or omit --backend)", param_hint="--backend")
@@ -57,6 +58,9 @@ def check_backend(name: str) -> None:
         get_plugin_manager().spec("training_backend", name)
     except Exception as error:  # noqa: BLE001 - the plugin is missing or broken: say which
         raise click.BadParameter(f"{name!r}: {error}", param_hint="--backend") from None
+    if cpu_gemm != "auto" and not takes_cpu_gemm(name):
+        raise click.BadParameter(f"{cpu_gemm!r}: the {name} backend computes with its own layers' products and has no "
+                                 "cpu_gemm option; leave --cpu-gemm at auto", param_hint="--cpu-gemm")
 
 
 @click.group("tinker")
@@ -86,12 +90,12 @@ def serve(
     checkpoint_dir: str, api_keys_file: str | None, lora_alpha: float, dtype: str, cpu_gemm: str, heap_mmap_mib: int, max_request_bytes: int,
 ) -> None:
     """Serve the Tinker API for one base model on HOST:PORT."""
-    if backend is not None:
-        check_backend(backend)
     from skyrl_core.ops.gemm_choice import CPU_GEMMS
 
     if cpu_gemm not in CPU_GEMMS:
         raise click.BadParameter(f"{cpu_gemm!r}: allowed: {', '.join(CPU_GEMMS)}", param_hint="--cpu-gemm")
+    if backend is not None:
+        check_backend(backend, cpu_gemm)
     engine_options = parse_engine_options(engine, engine_option)
     api_keys = read_api_keys(api_keys_file) if api_keys_file else None
     os.makedirs(checkpoint_dir, exist_ok=True)
