@@ -33,20 +33,27 @@ def ties_unembedding(model: Any) -> bool:
     return out is not None and inp is not None and out.weight is inp.weight
 
 
-def target_modules(model: Any, groups: tuple[str, ...]) -> list[str]:
+def target_modules(model: Any, groups: tuple[str, ...], *, unties_unembedding: bool = False) -> list[str]:
     """Names of the ``torch.nn.Linear`` modules of ``model`` that ``groups`` (keys of
-    ``TARGET_GROUPS``) cover, in module order. Raises ``ValueError`` for an unknown group, for
-    ``unembed`` on a model whose unembedding is tied to its embedding (a merged adapter would
-    change the embedding too), and when nothing matches."""
+    ``TARGET_GROUPS``) cover, in module order. Raises ``ValueError`` for an unknown group and when
+    nothing matches.
+
+    ``unembed`` on a model whose unembedding is tied to its embedding adapts the output projection
+    only: merged, ``lm_head`` gets a weight of its own and the embedding lookup keeps the base one.
+    Only a runtime whose engines take such an untied ``lm_head`` passes ``unties_unembedding`` (the
+    Tinker server's in-process trainer: skyrl-torch unties on that update, vLLM is started from an
+    untied copy); elsewhere it is refused (a backend's merged export would hand engines an
+    ``lm_head`` their tied model ignores or writes into the embedding)."""
     import torch
 
     unknown = [g for g in groups if g not in TARGET_GROUPS]
     if unknown:
         raise ValueError(f"LoRA targets {unknown} unknown; allowed: {', '.join(TARGET_GROUPS)}")
-    if "unembed" in groups and ties_unembedding(model):
+    if "unembed" in groups and ties_unembedding(model) and not unties_unembedding:
         raise ValueError(
-            "LoRA on the unembedding (train_unembed / targets: unembed) needs an untied lm_head; this model "
-            "ties lm_head to embed_tokens. Train attention and MLP adapters only (train_unembed=False)."
+            "LoRA on the unembedding (train_unembed / targets: unembed) of a model that ties lm_head to "
+            "embed_tokens is not supported by this runtime (the Tinker server's in-process trainer supports it). "
+            "Train attention and MLP adapters only (train_unembed=False)."
         )
     suffixes = {s for g in groups for s in TARGET_GROUPS[g]}
     # A layer another adapter already wraps keeps its name; its linear is then the wrapper's base_layer.
@@ -79,6 +86,9 @@ def add_adapter(model: Any, name: str, *, rank: int, alpha: float, modules: list
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
         # peft warns that a second adapter joins the first: several adapters are the point here
         warnings.filterwarnings("ignore", message="Already found a `peft_config`")
+        # and that an adapter on a tied lm_head is not tied to the embedding: here it never is
+        # (``target_modules``: the merge gives lm_head a weight of its own)
+        warnings.filterwarnings("ignore", message="Model has `tie_word_embeddings=True` and a tied layer")
         torch.manual_seed(seed)
         inject_adapter_in_model(config, model, adapter_name=name)
     for _, layer in lora_layers(model):

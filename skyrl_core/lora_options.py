@@ -28,7 +28,7 @@ class LoraOptions:
         default=("attn", "mlp"),
         converter=tuple,
         validator=_lora_targets,
-        metadata={"help": "layer groups: attn (q/k/v/o_proj), mlp (gate/up/down_proj), unembed (lm_head, untied only)"},
+        metadata={"help": "layer groups: attn (q/k/v/o_proj), mlp (gate/up/down_proj), unembed (lm_head; refused on a model that ties it to the embedding)"},
     )
 
 

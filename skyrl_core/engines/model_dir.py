@@ -117,13 +117,9 @@ def checkpoint_shapes(model_dir: str) -> dict[str, tuple[int, ...]]:
     take both forms. With tied input/output embeddings the checkpoint may omit ``lm_head.weight``;
     it is then added with the embedding's shape, because trainers export it.
     """
-    import glob
-
     from safetensors import safe_open
 
-    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+    files = _checkpoint_files(model_dir)
     shapes: dict[str, tuple[int, ...]] = {}
     for path in files:
         with safe_open(path, framework="pt") as f:
@@ -131,8 +127,8 @@ def checkpoint_shapes(model_dir: str) -> dict[str, tuple[int, ...]]:
                 shapes[name] = tuple(f.get_slice(name).get_shape())
     shapes.update(_transformers_shapes(model_dir))
     embed = shapes.get("model.embed_tokens.weight")
-    if embed is not None and "lm_head.weight" not in shapes:
-        shapes["lm_head.weight"] = embed
+    if embed is not None and LM_HEAD not in shapes:
+        shapes[LM_HEAD] = embed
     return shapes
 
 
@@ -151,6 +147,99 @@ def _transformers_shapes(model_dir: str) -> dict[str, tuple[int, ...]]:
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
+# Where a Hugging Face checkpoint of a decoder keeps its unembedding (a tied model omits it).
+LM_HEAD = "lm_head.weight"
+INDEX_FILE = "model.safetensors.index.json"
+UNTIED_HEAD_FILE = "lm_head.safetensors"
+
+
+def ties_unembedding(model_dir: str) -> bool:
+    """True when the model at ``model_dir`` ties ``lm_head`` to its input embedding (its text
+    config's ``tie_word_embeddings``, which vLLM and SGLang follow: they then load no ``lm_head``)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    return bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
+
+
+def _checkpoint_files(model_dir: str) -> list[str]:
+    import glob
+
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+    return files
+
+
+def untied_model_dir(model_dir: str, directory: str) -> str:
+    """``model_dir`` itself when its model does not tie its unembedding; otherwise ``directory``,
+    made (once) into the same model untied: the config says ``tie_word_embeddings: false`` and a
+    file of its own holds ``lm_head.weight``, a copy of the embedding, so the logits are the same
+    bits; every other file is a link to ``model_dir``'s, read through an index. An engine that cannot untie a loaded
+    model (vLLM, SGLang) started from it takes an ``lm_head`` of its own in weight updates (a
+    LoRA adapter merged into the unembedding only). Costs one vocabulary x hidden tensor more."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    if not ties_unembedding(model_dir):
+        return model_dir
+    source = os.path.abspath(model_dir)
+    marker = os.path.join(directory, ".untied-from")
+    if os.path.isfile(marker):
+        with open(marker) as f:
+            if f.read() == source:
+                return directory
+    embedding = None
+    for path in _checkpoint_files(model_dir):
+        with safe_open(path, framework="pt") as f:
+            names = [n for n in f.keys() if n.endswith("embed_tokens.weight")]
+            if names:
+                embedding = f.get_tensor(names[0])
+                break
+    if embedding is None:
+        raise ValueError(f"{model_dir}: its config ties lm_head to the embedding, but no *embed_tokens.weight is in its checkpoint")
+    parent = os.path.dirname(os.path.abspath(directory)) or "."
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".untied-", dir=parent)
+    # Weights are read through an index (written when the source has none), so that every loader
+    # reads lm_head's file too: transformers reads a lone model.safetensors and nothing else, so
+    # that file is linked under another name.
+    weight_map: dict[str, str] = {}
+    for entry in sorted(os.listdir(source)):
+        if entry in ("config.json", INDEX_FILE, ".untied-from"):
+            continue
+        linked = "model-base.safetensors" if entry == "model.safetensors" else entry
+        os.symlink(os.path.join(source, entry), os.path.join(staging, linked))
+        if entry.endswith(".safetensors"):
+            with safe_open(os.path.join(source, entry), framework="pt") as f:
+                weight_map.update({name: linked for name in f.keys()})
+    with open(os.path.join(source, "config.json")) as f:
+        config = json.load(f)
+    config["tie_word_embeddings"] = False
+    for value in config.values():  # a nested text config (multimodal models) says it too
+        if isinstance(value, dict) and "tie_word_embeddings" in value:
+            value["tie_word_embeddings"] = False
+    with open(os.path.join(staging, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    save_file({LM_HEAD: embedding.contiguous()}, os.path.join(staging, UNTIED_HEAD_FILE))
+    index = os.path.join(source, INDEX_FILE)
+    table: dict[str, Any] = {"metadata": {}, "weight_map": weight_map}
+    if os.path.isfile(index):
+        with open(index) as f:
+            table = json.load(f)
+    table.setdefault("weight_map", {})[LM_HEAD] = UNTIED_HEAD_FILE
+    with open(os.path.join(staging, INDEX_FILE), "w") as f:
+        json.dump(table, f, indent=2)
+    with open(os.path.join(staging, ".untied-from"), "w") as f:
+        f.write(source)
+    if os.path.lexists(directory):
+        import shutil
+
+        shutil.rmtree(directory)
+    os.rename(staging, directory)
+    return directory
+
+
 def check_weights(named: list[tuple[str, object]], shapes: dict[str, tuple[int, ...]]) -> None:
     """Refuse tensors the model does not have, or of another shape, naming the tensor."""
     for name, tensor in named:
@@ -163,15 +252,36 @@ def check_weights(named: list[tuple[str, object]], shapes: dict[str, tuple[int, 
 
 
 def checked_weights(
-    named_tensors: Iterable[tuple[str, Any]], shapes: dict[str, tuple[int, ...]], *, to_cpu: bool = False
+    named_tensors: Iterable[tuple[str, Any]], shapes: dict[str, tuple[int, ...]], *, to_cpu: bool = False,
+    tied: bool = False,
 ) -> list[tuple[str, Any]]:
     """``update_weights``' tensors, detached (contiguous on the CPU with ``to_cpu``), refused when there
-    are none or when ``check_weights`` refuses them (before any reaches the engine)."""
+    are none or when ``check_weights`` refuses them (before any reaches the engine).
+
+    ``tied``: the engine's model ties its unembedding (``ties_unembedding``) and its library loads
+    no ``lm_head.weight`` then; one given with other values than the embedding given beside it
+    (or alone) would be dropped, so it is refused."""
     named = [(name, t.detach().to("cpu").contiguous() if to_cpu else t.detach()) for name, t in named_tensors]
     if not named:
         raise ValueError("update_weights got no tensors")
     check_weights(named, shapes)
+    if tied:
+        given = dict(named)
+        head = given.get(LM_HEAD)
+        embedding = next((t for n, t in given.items() if n.endswith("embed_tokens.weight")), None)
+        if head is not None and (embedding is None or not _same_values(head, embedding)):
+            raise ValueError(
+                f"update_weights: {LM_HEAD!r} is not the embedding given with it, and this engine's model ties them "
+                "(tie_word_embeddings): the library would load no lm_head. Start the engine from an untied copy "
+                "(skyrl_core.engines.model_dir.untied_model_dir) to give it an lm_head of its own."
+            )
     return named
+
+
+def _same_values(a: Any, b: Any) -> bool:
+    import torch
+
+    return a is b or (a.shape == b.shape and torch.equal(a.to("cpu", b.dtype), b.to("cpu")))
 
 
 def write_weights_file(named: list[tuple[str, object]], directory: str) -> str:

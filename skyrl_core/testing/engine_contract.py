@@ -26,7 +26,10 @@ loads weights another way). The suite checks:
   ``logprob_atol`` (1e-5), whatever temperature / top-k / top-p sampled it (negative control: the
   temperature-scaled distribution is measurably different);
 - ``update_weights`` makes outputs follow the new weights (and back); unknown names and wrong
-  shapes are refused naming the tensor;
+  shapes are refused naming the tensor; an ``lm_head.weight`` given alone is followed, on a model
+  tying it to the embedding too (the embedding keeps its values: skyrl-torch unties) unless the
+  engine declares ``unties_unembedding = False``, and then it is refused naming ``lm_head``
+  (vLLM and SGLang load no lm_head of a tied model: never dropped silently);
 - ``pause``/``resume`` (engines with ``supports_pause``): a pause stops in-flight samples at a token
   boundary (no progress while paused, by the engine's ``in_flight()`` bookkeeping); weights loaded
   while paused take effect from the next token (each token stamped with its policy version, the
@@ -153,6 +156,8 @@ class EngineContract:
     """Subclass it and provide ``engine_factory`` (class scope); see the module docstring."""
 
     logprob_atol: float = 1e-5
+    # False: an engine whose model, when tied, cannot take an lm_head of its own (it refuses one).
+    unties_unembedding: bool = True
 
     # --- fixtures ----------------------------------------------------------------------------
 
@@ -351,6 +356,41 @@ class EngineContract:
         assert (torch.tensor(sampled.logprobs) - expected).abs().max() <= self.logprob_atol
         restored = engine.generate(greedy)
         assert [g[0].token_ids for g in restored] == [g[0].token_ids for g in before]
+
+    def test_an_unembedding_given_alone_is_followed_and_never_written_into_a_tied_embedding(self, engine, reference_model, prompts):
+        """``lm_head.weight`` alone, other than the embedding (a LoRA adapter merged into the
+        unembedding only): greedy tokens and logprobs follow a reference whose lm_head alone
+        changed; on a tied model the embedding keeps its values (negative control: a head
+        written into the shared tensor changes the embedding, and the outputs with it)."""
+        tied = reference_model.get_output_embeddings().weight is reference_model.get_input_embeddings().weight
+        head = reference_model.get_output_embeddings().weight.detach().clone()
+        new_head = head + 0.2 * torch.randn(head.shape, generator=torch.Generator().manual_seed(77))
+        if tied and not self.unties_unembedding:
+            with pytest.raises(ValueError, match="lm_head"):
+                engine.update_weights([("lm_head.weight", new_head)])
+            return
+        new_model = copy.deepcopy(reference_model)
+        new_model.get_output_embeddings().weight = torch.nn.Parameter(new_head.clone())
+        assert torch.equal(new_model.get_input_embeddings().weight, reference_model.get_input_embeddings().weight)
+        written_through = copy.deepcopy(reference_model)  # what writing into a tied tensor would compute
+        with torch.no_grad():
+            written_through.get_output_embeddings().weight.copy_(new_head)
+        greedy = [request(p, str(i), temperature=0.0, max_tokens=8) for i, p in enumerate(prompts[:3])]
+        before = engine.generate(greedy)
+        try:
+            engine.update_weights([("lm_head.weight", new_head)])
+            after = engine.generate(greedy)
+        finally:
+            engine.update_weights([("lm_head.weight", head)])
+        for p, a in zip(prompts, after):
+            assert list(a[0].token_ids) == argmax_decode(new_model, p, 8)[: len(a[0].token_ids)]
+            expected = full_forward_logprobs(new_model, p, a[0].token_ids)
+            assert (torch.tensor(a[0].logprobs) - expected).abs().max() <= self.logprob_atol
+            if tied:
+                wrong = full_forward_logprobs(written_through, p, a[0].token_ids)
+                assert (wrong - expected).abs().max() > 100 * self.logprob_atol
+        assert [g[0].token_ids for g in before] != [g[0].token_ids for g in after]
+        assert [g[0].token_ids for g in engine.generate(greedy)] == [g[0].token_ids for g in before]
 
     def test_update_weights_refuses_unknown_names_and_wrong_shapes(self, engine, reference_model):
         with pytest.raises((KeyError, ValueError), match="no_such_tensor"):

@@ -93,3 +93,50 @@ def test_checkpoint_shapes_take_the_trainers_fused_moe_names_too(tmp_path):
     assert shapes[f"{prefix}.gate_up_proj"] == (8, 64, 64)  # transformers' runtime names
     assert shapes[f"{prefix}.down_proj"] == (8, 64, 32)
     assert shapes["model.layers.1.mlp.gate.weight"] == (8, 64)
+
+
+def test_an_untied_copy_of_a_tied_model_gives_the_same_logits_with_an_lm_head_of_its_own(tmp_path):
+    """``untied_model_dir``: a tied model's copy whose config unties and whose lm_head.weight is the
+    embedding's bits in a file of its own (other files linked); an untied model is used as it is."""
+    import json
+    import os
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from skyrl_core.engines.model_dir import ties_unembedding, untied_model_dir
+    from skyrl_core.testing.engine_contract import TINY_LLAMA
+
+    tied, _ = materialize_model(ModelConfig(config=dict(TINY_QWEN3)), seed=1, parent_dir=str(tmp_path))
+    assert ties_unembedding(tied)
+    copy = untied_model_dir(tied, str(tmp_path / "untied"))
+    assert copy == str(tmp_path / "untied") and not ties_unembedding(copy)
+    assert os.path.islink(os.path.join(copy, "model-base.safetensors"))
+    head = load_file(os.path.join(copy, "lm_head.safetensors"))["lm_head.weight"]
+    embedding = load_file(os.path.join(tied, "model.safetensors"))["model.embed_tokens.weight"]
+    assert torch.equal(head.view(torch.int32), embedding.view(torch.int32))
+    original, untied = AutoModelForCausalLM.from_pretrained(tied), AutoModelForCausalLM.from_pretrained(copy)
+    assert untied.lm_head.weight.data_ptr() != untied.model.embed_tokens.weight.data_ptr()  # (its own tensor)
+    ids = torch.tensor([[5, 9, 200, 31, 7]])
+    with torch.no_grad():
+        assert torch.equal(original(input_ids=ids).logits.view(torch.int32), untied(input_ids=ids).logits.view(torch.int32))
+    assert untied_model_dir(tied, copy) == copy  # made once: a second call reuses it
+    with open(os.path.join(copy, "config.json")) as f:
+        assert json.load(f)["tie_word_embeddings"] is False
+    llama, _ = materialize_model(ModelConfig(config=dict(TINY_LLAMA)), parent_dir=str(tmp_path))
+    assert untied_model_dir(llama, str(tmp_path / "unused")) == llama and not os.path.exists(tmp_path / "unused")
+
+
+def test_an_engine_whose_tied_model_loads_no_lm_head_refuses_one_other_than_the_embedding():
+    """``checked_weights(tied=True)``: an lm_head.weight equal to the embedding given beside it
+    passes (a tied trainer's full set names both); another value, or one alone, is refused."""
+    from skyrl_core.engines.model_dir import checked_weights
+
+    shapes = {"model.embed_tokens.weight": (4, 2), "lm_head.weight": (4, 2)}
+    embedding = torch.randn(4, 2)
+    full_set = [("model.embed_tokens.weight", embedding), ("lm_head.weight", embedding.clone())]
+    assert len(checked_weights(full_set, shapes, tied=True)) == 2
+    for given in ([("model.embed_tokens.weight", embedding), ("lm_head.weight", embedding + 1)], [("lm_head.weight", embedding)]):
+        with pytest.raises(ValueError, match="'lm_head.weight' is not the embedding given with it"):
+            checked_weights(given, shapes, tied=True)
+        assert len(checked_weights(given, shapes)) == len(given)  # (an untied model takes it)

@@ -18,6 +18,11 @@ def write_tiny_model(directory: Path, seed: int = 0) -> str:
     return write_model_dir(directory, {**TINY_QWEN3, "tie_word_embeddings": False}, seed=seed)
 
 
+def write_tied_tiny_model(directory: Path, seed: int = 0) -> str:
+    """TINY_QWEN3 as it is: lm_head tied to embed_tokens, as in SmolLM2, Llama 3.2 1B or Qwen3 0.6B."""
+    return write_model_dir(directory, TINY_QWEN3, seed=seed)
+
+
 @contextlib.contextmanager
 def serve(model_dir: str, checkpoints: Path, *, extra: tuple[str, ...] = (), env: dict[str, str] | None = None,
           port: int | None = None, kill: bool = False) -> Iterator[str]:

@@ -391,21 +391,31 @@ ENGINES = {  # name -> (serve arguments, environment); the engine's module is ch
 }
 
 
-@pytest.mark.parametrize("engine", ENGINES)
-@pytest.mark.parametrize("isoexec", ["1", "0"])
+# A model tying lm_head to its embedding (the "-tied" cases: the SDK's default adapter then covers
+# the unembedding too, which merges into lm_head alone) is run with IsoExec only: its negative
+# control is the untied model's (rounding), and the untying itself is checked in test_sampler.py.
+CASES = [(isoexec, engine) for engine in ENGINES for isoexec in ("1", "0")] + [("1", "torch-tied"), ("1", "vllm-tied")]
+
+
+@pytest.mark.parametrize(("isoexec", "engine"), CASES, ids=[f"{i}-{e}" for i, e in CASES])
 def test_sampled_logprobs_equal_training_logprobs_bit_for_bit_with_isoexec(tiny_model, tmp_path, isoexec, engine, request):
+    tied = engine.endswith("-tied")
     if (isoexec, engine) == ("0", "torch"):  # the module's server is this one: no server start of its own
         url, ck = request.getfixturevalue("server")
         started, logs = contextlib.nullcontext(url), ck.parent
     else:
         (tmp_path / "ck").mkdir()
-        extra, env = ENGINES[engine]
+        extra, env = ENGINES[engine.removesuffix("-tied")]
         env = {k: v.format(tmp=tmp_path) for k, v in env.items()}
-        started, logs = serve(tiny_model, tmp_path / "ck", extra=extra, env={"SKYRL_ISOEXEC": isoexec, **env}), tmp_path
+        model = request.getfixturevalue("tied_tiny_model") if tied else tiny_model
+        started, logs = serve(model, tmp_path / "ck", extra=extra, env={"SKYRL_ISOEXEC": isoexec, **env}), tmp_path
     with started as url, _client(url) as service:
-        tc = service.create_lora_training_client(base_model="tiny", rank=4, seed=0).result()
+        tc = service.create_lora_training_client(base_model="tiny", rank=4, seed=0).result()  # (train_unembed: True)
         losses = _sl_steps(tc, 3)  # a trained adapter, so the merged weights differ from the base
         assert losses[2] < losses[1] < losses[0]  # (with IsoExec, training runs through the merged weights)
+        if tied:  # the adapter covers the tied unembedding, and its training moved it
+            saved = load_file(str(_dir(tmp_path / "ck", tc.save_weights_for_sampler("head").result().path) / "adapter.safetensors"))
+            assert saved["lm_head.lora_B"].abs().max() > 0
         sampler = tc.save_weights_and_get_sampling_client().result()
         prompt = [10, 11, 12, 13, 14]
         response = sampler.sample(types.ModelInput.from_ints(prompt), num_samples=4, include_prompt_logprobs=True,

@@ -783,3 +783,54 @@ def test_a_batch_is_padded_on_the_right_with_each_datums_values_and_zeros_elsewh
     # misalign every row after it in _pad) is refused when the datum is made.
     with pytest.raises(ValueError, match="Example: target_tokens has 3 values for 2 tokens"):
         Example(np.array([1, 2], dtype=np.int64), {"target_tokens": np.array([2, 3, 4])})
+
+
+def test_an_adapter_on_a_tied_unembedding_trains_the_output_projection_alone(tied_tiny_model):
+    """``train_unembed`` on a model whose lm_head is its embedding: the adapter's lm_head part gets
+    gradients and moves, the embedding keeps its bits, and ``forward`` (the merged weights, as the
+    sampler gets them) computes the logits of the merged head over the base embedding: a model
+    whose lm_head alone is merged, not one whose tied tensor was (negative control)."""
+    import copy
+
+    from skyrl_core import lora
+    from skyrl_tinker.trainer import AdamStep
+
+    trainer = LoraTrainer(tied_tiny_model)
+    assert lora.ties_unembedding(trainer.model)
+    embedding = trainer.model.get_input_embeddings().weight.detach().clone()
+    trainer.create("a", rank=4, alpha=32.0, groups=("attn", "mlp", "unembed"), seed=1)
+    data = [Example(e.tokens, {"target_tokens": e.inputs["target_tokens"]}) for e in _examples()]
+    for step in range(2):
+        trainer.forward_backward("a", data, "cross_entropy", None)
+        head_grads = [p.grad for n, p in trainer.model.named_parameters() if n.startswith("lm_head.lora_")]
+        # (B starts at zero: A's gradient is zero until B has moved)
+        assert len(head_grads) == 2 and all(g is not None and g.abs().max() > 0 for g in head_grads[step == 0:])
+        trainer.optim_step("a", AdamStep(4e-3, 0.9, 0.95, 1e-8, 0.0, 0.0))
+    assert torch.equal(trainer.model.get_input_embeddings().weight.view(torch.int32), embedding.view(torch.int32))
+    tensors = trainer.adapter_tensors("a")
+    merged = dict(lora.merged_weights(trainer.base_weights(), tensors))
+    assert "lm_head.weight" in merged and not torch.equal(merged["lm_head.weight"], embedding)
+    assert torch.equal(trainer.hf_weights()["lm_head.weight"], embedding)  # (a full set names the tied head too)
+
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(tied_tiny_model)
+    written_through = copy.deepcopy(reference)  # the tied tensor set to the merged head: embedding too
+    with torch.no_grad():
+        for name, value in merged.items():
+            if name != "lm_head.weight":
+                reference.get_parameter(name).copy_(value)
+                written_through.get_parameter(name).copy_(value)
+        reference.lm_head.weight = torch.nn.Parameter(merged["lm_head.weight"].clone())
+        written_through.lm_head.weight.copy_(merged["lm_head.weight"])
+    example = data[0]
+    logprobs = trainer.forward("a", [example], "cross_entropy", None)[0][0]
+    ids = torch.from_numpy(example.tokens)[None]
+    targets = torch.from_numpy(example.inputs["target_tokens"])
+
+    def expected(model: torch.nn.Module) -> np.ndarray:
+        with torch.no_grad():
+            return torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)[torch.arange(len(targets)), targets].numpy()
+
+    np.testing.assert_allclose(logprobs, expected(reference), rtol=0, atol=1e-5)
+    assert np.abs(expected(written_through) - expected(reference)).max() > 1e-3

@@ -70,11 +70,12 @@ class SGLangEngine(PauseNotSupported):
         import sglang
 
         from skyrl_core.ops import prepare_model
-        from skyrl_core.engines.model_dir import checkpoint_shapes, materialize_model
+        from skyrl_core.engines.model_dir import checkpoint_shapes, materialize_model, ties_unembedding
 
         self.sglang_version = sglang.__version__
         model_dir, tokenizer_dir = materialize_model(model, seed=self.seed, parent_dir=self._workdir)
         self._weight_shapes = checkpoint_shapes(model_dir)
+        self._ties_unembedding = ties_unembedding(model_dir)
         kwargs: dict[str, Any] = {
             "model_path": model_dir,
             "tokenizer_path": tokenizer_dir or model_dir,
@@ -122,7 +123,7 @@ class SGLangEngine(PauseNotSupported):
         from skyrl_core.engines.model_dir import checked_weights
 
         engine = self._running()
-        tensors = checked_weights(named_tensors, self._weight_shapes)  # a bad name inside SGLang's scheduler is fatal
+        tensors = checked_weights(named_tensors, self._weight_shapes, tied=self._ties_unembedding)  # a bad name inside SGLang's scheduler is fatal
         result = engine.update_weights_from_tensor(named_tensors=tensors, flush_cache=True)
         success, message = (result if isinstance(result, tuple) else (True, ""))[:2]
         if not success:

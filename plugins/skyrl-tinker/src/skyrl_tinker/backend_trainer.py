@@ -73,6 +73,8 @@ class BackendLoraTrainer(LoraTrainer):
     # The backend keeps every activation of a pass (it checkpoints only when built so, for every
     # pass): a datum longer than a plain pass holds is refused at submission (SmolLM2 on 24 GiB: 1683).
     checkpoints_long_passes = False
+    # The backends' merged exports keep a tied unembedding tied (skyrl_core.lora.target_modules).
+    unties_unembedding = False
 
     def __init__(self, model_dir: str, backend: str, *, cpu_gemm: str = "auto", dtype: str = "float32") -> None:
         if backend not in BACKENDS:

@@ -913,7 +913,15 @@ class TinkerService:
         if self._sampler is None:
             from skyrl_tinker.sampler import Sampler, build_engine
 
-            engine = build_engine(self.engine_name, self.model_dir, self.engine_options, dtype=self.trainer.dtype)
+            model_dir = self.model_dir
+            if self.engine_name != "torch" and self.trainer.unties_unembedding:
+                # An adapter on a tied unembedding merges into lm_head alone. skyrl-torch unties a
+                # loaded model on that update; vLLM loads no lm_head of a tied model, so it starts
+                # from an untied copy (the same logits; one embedding-sized tensor more).
+                from skyrl_core.engines.model_dir import untied_model_dir
+
+                model_dir = untied_model_dir(model_dir, os.path.join(self.checkpoint_dir, ".engine-model"))
+            engine = build_engine(self.engine_name, model_dir, self.engine_options, dtype=self.trainer.dtype)
             self._sampler = Sampler(engine, full_sets=self.engine_name != "torch", rests=self.engine_name == "torch")
             print(f"skyrl tinker: sampling engine {self.engine_name!r} started ({type(engine).__module__}, {self.trainer.dtype})", file=sys.stderr, flush=True)
         return self._sampler

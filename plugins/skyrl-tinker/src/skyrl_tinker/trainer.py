@@ -115,6 +115,9 @@ class Adapter:
 class LoraTrainer:
     next_token_targets_only = False  # any per-position targets
     checkpoints_long_passes = True  # a pass too large to keep every activation recomputes its layers
+    # An adapter on a tied unembedding adapts the output projection only: the merge gives lm_head
+    # a weight of its own, which this process's model and the sampling engine both take.
+    unties_unembedding = True
 
     def __init__(self, model_dir: str, *, cpu_gemm: str = "auto", dtype: str = "float32") -> None:
         if cpu_gemm not in CPU_GEMMS:
@@ -187,7 +190,7 @@ class LoraTrainer:
 
     def check_groups(self, groups: tuple[str, ...]) -> list[str]:
         """The modules ``groups`` cover, or ``ValueError`` (before any adapter is made)."""
-        return lora.target_modules(self.model, groups)
+        return lora.target_modules(self.model, groups, unties_unembedding=self.unties_unembedding)
 
     def adapter_bytes(self, rank: int, groups: tuple[str, ...]) -> int:
         """Memory one adapter of ``rank`` on ``groups`` holds: A and B in fp32, their gradients and
@@ -224,8 +227,10 @@ class LoraTrainer:
         return {f"{m}.weight": layer.get_base_layer().weight for m, layer in lora.lora_layers(self.model)}
 
     def hf_weights(self) -> dict[str, torch.Tensor]:
-        """Every base weight by its Hugging Face name (adapters left out): a full set for an engine."""
-        return {name.replace(".base_layer.", "."): p for name, p in self.model.named_parameters() if ".lora_" not in name}
+        """Every base weight by its Hugging Face name (adapters left out), a tied unembedding under
+        both its names: a full set for an engine (one started untied gets its ``lm_head`` back)."""
+        return {name.replace(".base_layer.", "."): p for name, p in self.model.named_parameters(remove_duplicate=False)
+                if ".lora_" not in name}
 
     # --- computation ------------------------------------------------------------------------------
 

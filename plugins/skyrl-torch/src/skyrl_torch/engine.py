@@ -148,6 +148,7 @@ class TorchEngine:
         self._cache: SlotKVCache | None = None
         self._unseeded = itertools.count()
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
+        self._tied = _tied_aliases(self._params)  # second names of tied tensors
         self._buffers = dict(self.model.named_buffers(remove_duplicate=False))
         self._closed = False
         self._unpacked_asleep = False  # sleep dropped the prepacked weight copies; wake renews them
@@ -237,6 +238,12 @@ class TorchEngine:
         """Copy each tensor into the parameter or buffer of that Hugging Face name, in place; tokens
         chosen afterwards carry policy version ``version`` (``None``: the current version + 1).
 
+        A tensor under several names (a tied unembedding: ``lm_head.weight`` is
+        ``model.embed_tokens.weight``) takes a value given for its first name, the one a checkpoint
+        of the tied model keeps, under every name. A later name given the values the tensor holds
+        is skipped (a full set names it twice); given other values (a LoRA adapter merged into
+        ``lm_head`` alone) it gets a tensor of its own and the first name keeps its values.
+
         Raises ``KeyError`` for a name the model does not have and ``ValueError`` for a shape that
         differs; tensors before the bad one are already loaded. While generation runs, the engine
         is paused around the update (unless already paused): in-flight samples keep their keys/values
@@ -269,10 +276,31 @@ class TorchEngine:
                         raise ValueError(
                             f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
                         )
+                    if name in self._tied:
+                        if torch.equal(tensor.to(target.dtype), target):
+                            continue  # (a full set names a tied tensor twice: the first copy did it)
+                        self._untie(name, tensor)
+                        continue
                     target.copy_(tensor)
         finally:  # also after a refused tensor: the ones before it are loaded
             if self.native is not None and not self._unpacked_asleep:  # asleep: wake packs the new weights
                 self.native.repack()  # its prepacked GEMM operands are copies of the old weights
+
+    def _untie(self, name: str, tensor: torch.Tensor) -> None:
+        """Give parameter ``name`` (one of several names of one tensor: a tied unembedding) a tensor
+        of its own holding ``tensor``'s values; the other names keep theirs. An update giving a
+        tied name other values than its partners means that name alone (an adapter merged into
+        ``lm_head`` only, ``skyrl_core.lora``); copying into the shared tensor would change the
+        embedding too."""
+        module_name, _, attribute = name.rpartition(".")
+        module = self.model.get_submodule(module_name)
+        own = torch.nn.Parameter(tensor.to(self._params[name].dtype).clone(), requires_grad=False)
+        setattr(module, attribute, own)
+        self._params[name] = own
+        self._tied = _tied_aliases(self._params)
+        config = self.model.config
+        if getattr(config, "tie_word_embeddings", False):  # (so that nothing re-ties them later)
+            config.tie_word_embeddings = False
 
     def execution_contract(self) -> dict[str, Any]:
         return {
@@ -751,6 +779,14 @@ class TorchEngine:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this TorchEngine is closed")
+
+
+def _tied_aliases(params: dict[str, torch.Tensor]) -> set[str]:
+    """The names in ``params`` (``named_parameters`` order) of a tensor that an earlier name holds
+    too: a tied ``lm_head.weight``, whose tensor is ``model.embed_tokens.weight``'s (the name a
+    checkpoint of the tied model keeps)."""
+    first: dict[int, str] = {}
+    return {name for name, p in params.items() if first.setdefault(id(p), name) != name}
 
 
 def _weights_per_token(model: torch.nn.Module) -> int:

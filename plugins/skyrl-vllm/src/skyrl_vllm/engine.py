@@ -18,7 +18,7 @@ import types
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from skyrl_core.engines.lifecycle import environ, running, temporary_workdir
-from skyrl_core.engines.model_dir import checked_weights, checkpoint_shapes, materialize_model, write_weights_file
+from skyrl_core.engines.model_dir import checked_weights, checkpoint_shapes, materialize_model, ties_unembedding, write_weights_file
 from skyrl_core.engines.requests import check_request
 from skyrl_vllm import bootstrap
 from skyrl_vllm.mapping import to_samples, to_vllm_sampling_params
@@ -162,6 +162,7 @@ class VLLMEngine:
         model_dir, tokenizer_dir = materialize_model(model, seed=self.seed, parent_dir=self._workdir)
         self._model_dir = model_dir
         self._weight_shapes = checkpoint_shapes(model_dir)
+        self._ties_unembedding = ties_unembedding(model_dir)
         kwargs = engine_kwargs(
             self.options, dtype=self.dtype, on_cpu=current_platform.is_cpu(), sleep_available=self.sleep_supported,
             model_dir=model_dir,
@@ -252,7 +253,7 @@ class VLLMEngine:
         """
         llm = self._running()
         # Checked here: a bad tensor inside vLLM's layerwise reload would leave the model half-loaded.
-        tensors = checked_weights(named_tensors, self._weight_shapes)
+        tensors = checked_weights(named_tensors, self._weight_shapes, tied=self._ties_unembedding)
         if not self.supports_pause:
             self._load(llm, tensors)
             llm.reset_prefix_cache()

@@ -136,7 +136,7 @@ class OpenAIEngine(PauseNotSupported):
     def _launch(self, model: ModelConfig) -> None:
         from vllm.platforms import current_platform
 
-        from skyrl_core.engines.model_dir import checkpoint_shapes, materialize_model
+        from skyrl_core.engines.model_dir import checkpoint_shapes, materialize_model, ties_unembedding
         from skyrl_core.ports import on_a_free_port
         from skyrl_vllm.vllm_server import SERVED_MODEL_NAME, VLLMServer, serve_command
 
@@ -144,6 +144,7 @@ class OpenAIEngine(PauseNotSupported):
         self._workdir, self._remove_workdir = temporary_workdir(self, "skyrl-vllm-serve-")
         model_dir, tokenizer_dir = materialize_model(model, seed=self.seed, parent_dir=self._workdir)
         self._weight_shapes = checkpoint_shapes(model_dir)
+        self._ties_unembedding = ties_unembedding(model_dir)
         vopts = self.options.vllm
 
         def serve_on(port: int) -> VLLMServer:
@@ -184,7 +185,7 @@ class OpenAIEngine(PauseNotSupported):
             )
         from skyrl_core.engines.model_dir import checked_weights, write_weights_file
 
-        named = checked_weights(named_tensors, self._weight_shapes, to_cpu=True)
+        named = checked_weights(named_tensors, self._weight_shapes, to_cpu=True, tied=self._ties_unembedding)
         path = write_weights_file(named, self._workdir)
         try:
             loaded = self._rpc("skyrl_load_weights", path)
