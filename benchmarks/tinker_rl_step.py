@@ -1,7 +1,8 @@
 """One RL step through the Tinker API: ``skyrl tinker serve`` driven by the official ``tinker`` SDK.
 
 The client loop a Tinker user writes (``skyrl_tinker.client_loops.rl_step``): 8 prompts x 8 samples,
-up to 32 new tokens at temperature 1, a LoRA adapter of rank 8 (attention and MLP), group-centred
+up to 32 new tokens at temperature 1, a LoRA adapter of rank 8 (attention and MLP; ``--train-unembed``
+also the unembedding, the SDK's default), group-centred
 advantages, one ``forward_backward`` with ``importance_sampling``, one ``optim_step``, then
 ``save_weights_and_get_sampling_client`` for the next step. A step's time is the client's wall time
 for all of that, printed with where it went (``sample``: all samples back; ``train``:
@@ -132,7 +133,7 @@ def run(name: str, model_dir: str, encode, workdir: Path, args: argparse.Namespa
         setup = time.perf_counter()
         # (closing the client finishes its session and stops the SDK's heartbeat thread)
         with tinker.ServiceClient(base_url=url, api_key="tml-benchmark") as service:
-            tc = service.create_lora_training_client(base_model=name, rank=8, seed=0, train_unembed=False).result()
+            tc = service.create_lora_training_client(base_model=name, rank=8, seed=0, train_unembed=args.train_unembed).result()
             sampler = tc.save_weights_and_get_sampling_client().result()
             intervals.append(("setup", setup, time.perf_counter()))
             prompts = arithmetic_prompts(encode, 8)
@@ -179,6 +180,9 @@ def main() -> None:
                         help="the served base model's dtype (`skyrl tinker serve --dtype`); both: a float32 server, then a bfloat16 one")
     parser.add_argument("--rss-interval", type=float, default=0.5,
                         help="seconds between samples of the server's resident memory (each costs client CPU beside the server's threads)")
+    parser.add_argument("--train-unembed", action="store_true",
+                        help="the adapter also on the unembedding, as the SDK's default has it (both models tie it to the "
+                             "embedding: lm_head is then merged alone); off: attention and MLP, as the figures on record")
     parser.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                         help="an argument added to `skyrl tinker serve` (repeatable; write --server-arg=--engine-option)")
     args = parser.parse_args()
