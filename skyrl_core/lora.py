@@ -185,16 +185,55 @@ def merged_weights(base: dict[str, torch.Tensor], tensors: dict[str, torch.Tenso
         yield name, merged_weight(base[name], tensors[f"{m}.lora_A"], tensors[f"{m}.lora_B"], tensors[f"{m}.lora_scale"])
 
 
+@functools.cache
+def _low_rank_add() -> Any:
+    """The autograd function of ``fused_forward``'s adapter term (built once, torch imported then)."""
+    import torch
+
+    class LowRankAdd(torch.autograd.Function):
+        """``out += ((x A^T) * scale) B^T`` in place on ``out`` (the base layer's fresh output, which
+        its backward does not need), with every product of backward taken rank-rows first
+        (``[r, N] x [N, M]``): for SmolLM2's unembedding (M = 49152, N = 300) the gradient of B took
+        34 ms in the ``[M, N] x [N, r]`` form autograd picks and 8 ms so, and the sum into a new
+        output 22 ms against 3.5 in place (``docs/benchmarks.md``)."""
+
+        @staticmethod
+        def forward(ctx: Any, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+            low = torch.mm(x, a.t()) * scale  # [N, r]
+            out.addmm_(low.to(out.dtype), b.t().to(out.dtype))
+            ctx.mark_dirty(out)
+            ctx.save_for_backward(x, a, b, low)
+            ctx.scale = scale
+            return out
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+            x, a, b, low = ctx.saved_tensors
+            g = grad.to(b.dtype)
+            grad_b = torch.mm(low.t(), g).t()  # [M, r]
+            grad_low = torch.mm(b.t(), g.t()).t() * ctx.scale  # [N, r]
+            grad_a = torch.mm(grad_low.t(), x)  # [r, K]
+            grad_x = torch.mm(grad_low, a).to(x.dtype) if ctx.needs_input_grad[1] else None
+            return grad, grad_x, grad_a, grad_b, None
+
+    return LowRankAdd
+
+
 @contextlib.contextmanager
 def fused_forward(model: Any, name: str) -> Iterator[None]:
     """Within the block, each linear layer carrying adapter ``name`` computes
-    ``base(x) + ((x A^T) * scale) B^T`` with the scale on the rank-wide product and the addition
-    inside one ``addmm``, instead of peft's ``base(x) + (x A^T B^T) * scale``: the same
-    mathematics (fp32 rounding apart) without two output-wide elementwise passes (the scaling and
-    the sum) and their backward, about 7% of a SmolLM2 LoRA training step on CPU. Only for a plain
-    LoRA (no dropout, no DoRA or other variant); other layers keep peft's forward."""
+    ``base(x) + ((x A^T) * scale) B^T`` with the scale on the rank-wide product and the sum taken
+    in place on the base layer's output (``_low_rank_add``), instead of peft's
+    ``base(x) + (x A^T B^T) * scale``: the same mathematics (fp32 rounding apart) without two
+    output-wide elementwise passes (the scaling and the sum) and their backward, about 7% of a
+    SmolLM2 LoRA training step on CPU. The unembedding's adapter (vocabulary-wide outputs) also
+    sums in place and takes backward's thin products in their fast form (``_low_rank_add``; on the
+    narrower layers that measured no faster). Only for a plain LoRA (no dropout, no DoRA or other
+    variant); other layers keep peft's forward."""
     import torch
     from peft.tuners.lora.layer import Linear
+
+    low_rank_add = _low_rank_add()
 
     def forward(layer: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         out = layer.base_layer(x, *args, **kwargs)
@@ -202,12 +241,19 @@ def fused_forward(model: Any, name: str) -> Iterator[None]:
         low = torch.mm(x.reshape(-1, x.shape[-1]).to(a.dtype), a.t()) * layer.scaling[name]
         return torch.addmm(out.reshape(-1, out.shape[-1]), low.to(out.dtype), b.t().to(out.dtype)).view(out.shape)
 
+    def vocabulary_wide(layer: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out = layer.base_layer(x, *args, **kwargs)
+        a, b = layer.lora_A[name].weight, layer.lora_B[name].weight
+        flat = low_rank_add.apply(out.reshape(-1, out.shape[-1]), x.reshape(-1, x.shape[-1]).to(a.dtype), a, b, float(layer.scaling[name]))
+        return flat.view(out.shape)
+
     patched = []
     for _, layer in lora_layers(model):
         plain = (isinstance(layer, Linear) and name in layer.lora_A and name not in layer.lora_variant
                  and isinstance(layer.lora_dropout[name], torch.nn.Identity) and not layer.merged)
         if plain:
-            layer.forward = functools.partial(forward, layer)
+            wide = layer is model.get_output_embeddings()
+            layer.forward = functools.partial(vocabulary_wide if wide else forward, layer)
             patched.append(layer)
     try:
         yield
