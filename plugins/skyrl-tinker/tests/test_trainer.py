@@ -599,14 +599,18 @@ def _rl_group_examples() -> list[Example]:
 
 def test_data_that_share_a_prompt_are_computed_once_with_the_logprobs_and_gradients_of_each(tiny_model, monkeypatch):
     """A batch of two prompts' samples: the prefix they share is computed once per prompt (counted),
-    every position's logprob (prompt positions included, which the API returns) and the adapter's
-    gradients are those of the data computed apart within fp32 rounding."""
+    and so is its output head but at its last position, whose target is each datum's own (rows
+    counted); every position's logprob (prompt positions included, which the API returns) and the
+    adapter's gradients are those of the data computed apart within fp32 rounding."""
     import skyrl_tinker.trainer as trainer_module
 
-    packed_calls = []
+    packed_calls, head_rows = [], []
     real = trainer_module.run_packed
     monkeypatch.setattr(trainer_module, "run_packed", lambda model, packed, consume: (
         packed_calls.append(tuple(packed.input_ids.shape)), real(model, packed, consume))[1])
+    real_logprobs = trainer_module.token_logprobs
+    monkeypatch.setattr(trainer_module, "token_logprobs", lambda logits, targets, **kw: (
+        head_rows.append(logits.shape[0]), real_logprobs(logits, targets, **kw))[1])
 
     def run(sharing: bool):
         trainer = LoraTrainer(tiny_model)
@@ -618,10 +622,12 @@ def test_data_that_share_a_prompt_are_computed_once_with_the_logprobs_and_gradie
         return logprobs, metrics, grads
 
     apart = run(False)
-    assert packed_calls == []
+    assert packed_calls == [] and head_rows == [90]  # data of 16, 14, 18 and 16, 14, 12 positions
     shared = run(True)
     # one pass, one sequence per prompt: 12 + (4 + 2 + 6) and 9 + (7 + 5 + 3) positions
     assert packed_calls == [(2, 24)]
+    # heads: 11 prompt positions + 5 + 3 + 7 of the data's own, and 8 + 8 + 6 + 4
+    assert head_rows == [90, 52]
     for got, want in zip(shared[0], apart[0]):
         assert got.shape == want.shape
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)

@@ -283,15 +283,25 @@ class LoraTrainer:
             index = packed.index[rows, columns]
 
         def score(hidden: torch.Tensor) -> torch.Tensor:
+            kept_targets = targets[where]
+            inverse = None
             if packed is not None:
-                kept, kept_targets = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index), targets[where]
+                # A group's shared prefix is one packed position for all its data, and but for its
+                # last position, with one target too: each (position, target) pair is scored once
+                # (an RL batch of 8 x 8 samples of 50-token prompts: half its output-head rows).
+                width = int(kept_targets.max()) + 1
+                pairs, inverse = torch.unique(index * width + kept_targets, return_inverse=True)
+                kept = hidden.reshape(-1, hidden.shape[-1]).index_select(0, pairs // width)
+                kept_targets = pairs % width
             else:
-                kept, kept_targets = hidden[where], targets[where]
+                kept = hidden[where]
             if kept.shape[0] <= self.logprob_chunk_tokens:  # one chunk: kept for backward, not recomputed
                 logprobs = token_logprobs(head(kept), kept_targets, ledger=self.ledger)
             else:
                 logprobs, _ = chunked_token_logprobs(kept, head, kept_targets, ledger=self.ledger,
                                                      chunk_tokens=self.logprob_chunk_tokens)
+            if inverse is not None:
+                logprobs = logprobs[inverse]
             return torch.zeros(where.shape, dtype=torch.float32).masked_scatter(where, logprobs.float())
 
         if packed is not None:
