@@ -332,8 +332,9 @@ def test_a_restarted_server_answers_for_finished_work_and_lists_checkpoints(tiny
             _sl_steps(tc, 2)
             path = tc.save_state("before-restart").result().path
             bits = _forward_bits(tc)
-            # Work still queued when the process is killed (behind a long forward_backward).
-            long = [_datum(list(range(1, 250)))] * 64
+            # Work still queued when the process is killed (behind a long forward_backward: 64
+            # data sharing no prefix, so that none is computed once for several).
+            long = [_datum([1 + (i + j) % 255 for j in range(249)]) for i in range(64)]
             proto = {"Content-Type": "application/x-protobuf", **HEADERS}
             busy = http.post("/api/v1/forward_backward", content=_raw_forward_backward(tc.model_id, long), headers=proto).json()
             queued = http.post("/api/v1/save_weights", json={"model_id": tc.model_id, "path": "never"}, headers=HEADERS).json()
