@@ -222,14 +222,14 @@ def _low_rank_add() -> Any:
 @contextlib.contextmanager
 def fused_forward(model: Any, name: str) -> Iterator[None]:
     """Within the block, each linear layer carrying adapter ``name`` computes
-    ``base(x) + ((x A^T) * scale) B^T`` with the scale on the rank-wide product and the sum taken
-    in place on the base layer's output (``_low_rank_add``), instead of peft's
-    ``base(x) + (x A^T B^T) * scale``: the same mathematics (fp32 rounding apart) without two
-    output-wide elementwise passes (the scaling and the sum) and their backward, about 7% of a
-    SmolLM2 LoRA training step on CPU. The unembedding's adapter (vocabulary-wide outputs) also
-    sums in place and takes backward's thin products in their fast form (``_low_rank_add``; on the
-    narrower layers that measured no faster). Only for a plain LoRA (no dropout, no DoRA or other
-    variant); other layers keep peft's forward."""
+    ``base(x) + ((x A^T) * scale) B^T`` with the scale on the rank-wide product and the sum inside
+    one ``addmm``, instead of peft's ``base(x) + (x A^T B^T) * scale``: the same mathematics (fp32
+    rounding apart) without two output-wide elementwise passes (the scaling and the sum) and their
+    backward, about 7% of a SmolLM2 LoRA training step on CPU. The unembedding's adapter
+    (vocabulary-wide outputs) instead sums in place on the base layer's output and takes
+    backward's thin products in their fast form (``_low_rank_add``; on the narrower layers that
+    measured no faster). Only for a plain LoRA (no dropout, no DoRA or other variant); other
+    layers keep peft's forward."""
     import torch
     from peft.tuners.lora.layer import Linear
 

@@ -36,6 +36,22 @@ def _loading_bars(shown: bool) -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """``{alias: canonical}`` for parameters reachable under several names (tied embeddings).
+
+    The canonical name is the first one ``named_parameters`` visits, which is the one transformers
+    keeps in its files (``model.embed_tokens.weight`` rather than ``lm_head.weight``).
+    """
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return aliases
+
+
 def torch_dtype(name: str) -> torch.dtype:
     import torch
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from typing import TYPE_CHECKING, Any, Iterable
 
@@ -117,9 +118,13 @@ def checkpoint_shapes(model_dir: str) -> dict[str, tuple[int, ...]]:
     take both forms. With tied input/output embeddings the checkpoint may omit ``lm_head.weight``;
     it is then added with the embedding's shape, because trainers export it.
     """
+    import glob
+
     from safetensors import safe_open
 
-    files = _checkpoint_files(model_dir)
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
     shapes: dict[str, tuple[int, ...]] = {}
     for path in files:
         with safe_open(path, framework="pt") as f:
@@ -153,7 +158,7 @@ INDEX_FILE = "model.safetensors.index.json"
 UNTIED_HEAD_FILE = "lm_head.safetensors"
 
 
-def ties_unembedding(model_dir: str) -> bool:
+def checkpoint_ties_unembedding(model_dir: str) -> bool:
     """True when the model at ``model_dir`` ties ``lm_head`` to its input embedding (its text
     config's ``tie_word_embeddings``, which vLLM and SGLang follow: they then load no ``lm_head``)."""
     from transformers import AutoConfig
@@ -162,26 +167,18 @@ def ties_unembedding(model_dir: str) -> bool:
     return bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
 
 
-def _checkpoint_files(model_dir: str) -> list[str]:
-    import glob
-
-    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
-    return files
-
-
 def untied_model_dir(model_dir: str, directory: str) -> str:
     """``model_dir`` itself when its model does not tie its unembedding; otherwise ``directory``,
     made (once) into the same model untied: the config says ``tie_word_embeddings: false`` and a
     file of its own holds ``lm_head.weight``, a copy of the embedding, so the logits are the same
-    bits; every other file is a link to ``model_dir``'s, read through an index. An engine that cannot untie a loaded
-    model (vLLM, SGLang) started from it takes an ``lm_head`` of its own in weight updates (a
-    LoRA adapter merged into the unembedding only). Costs one vocabulary x hidden tensor more."""
+    bits; every other file is a link to ``model_dir``'s, read through an index. An engine that
+    cannot untie a loaded model (vLLM, SGLang) started from it takes an ``lm_head`` of its own in
+    weight updates (a LoRA adapter merged into the unembedding only). Costs one vocabulary x
+    hidden tensor more."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    if not ties_unembedding(model_dir):
+    if not checkpoint_ties_unembedding(model_dir):
         return model_dir
     source = os.path.abspath(model_dir)
     marker = os.path.join(directory, ".untied-from")
@@ -189,15 +186,6 @@ def untied_model_dir(model_dir: str, directory: str) -> str:
         with open(marker) as f:
             if f.read() == source:
                 return directory
-    embedding = None
-    for path in _checkpoint_files(model_dir):
-        with safe_open(path, framework="pt") as f:
-            names = [n for n in f.keys() if n.endswith("embed_tokens.weight")]
-            if names:
-                embedding = f.get_tensor(names[0])
-                break
-    if embedding is None:
-        raise ValueError(f"{model_dir}: its config ties lm_head to the embedding, but no *embed_tokens.weight is in its checkpoint")
     parent = os.path.dirname(os.path.abspath(directory)) or "."
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=".untied-", dir=parent)
@@ -205,6 +193,7 @@ def untied_model_dir(model_dir: str, directory: str) -> str:
     # reads lm_head's file too: transformers reads a lone model.safetensors and nothing else, so
     # that file is linked under another name.
     weight_map: dict[str, str] = {}
+    embedding = None
     for entry in sorted(os.listdir(source)):
         if entry in ("config.json", INDEX_FILE, ".untied-from"):
             continue
@@ -212,7 +201,13 @@ def untied_model_dir(model_dir: str, directory: str) -> str:
         os.symlink(os.path.join(source, entry), os.path.join(staging, linked))
         if entry.endswith(".safetensors"):
             with safe_open(os.path.join(source, entry), framework="pt") as f:
-                weight_map.update({name: linked for name in f.keys()})
+                for name in f.keys():
+                    weight_map[name] = linked
+                    if embedding is None and name.endswith("embed_tokens.weight"):
+                        embedding = f.get_tensor(name)
+    if embedding is None:
+        shutil.rmtree(staging)
+        raise ValueError(f"{model_dir}: its config ties lm_head to the embedding, but no *embed_tokens.weight is in its checkpoint")
     with open(os.path.join(source, "config.json")) as f:
         config = json.load(f)
     config["tie_word_embeddings"] = False
@@ -233,8 +228,6 @@ def untied_model_dir(model_dir: str, directory: str) -> str:
     with open(os.path.join(staging, ".untied-from"), "w") as f:
         f.write(source)
     if os.path.lexists(directory):
-        import shutil
-
         shutil.rmtree(directory)
     os.rename(staging, directory)
     return directory
@@ -258,7 +251,7 @@ def checked_weights(
     """``update_weights``' tensors, detached (contiguous on the CPU with ``to_cpu``), refused when there
     are none or when ``check_weights`` refuses them (before any reaches the engine).
 
-    ``tied``: the engine's model ties its unembedding (``ties_unembedding``) and its library loads
+    ``tied``: the engine's model ties its unembedding (``checkpoint_ties_unembedding``) and its library loads
     no ``lm_head.weight`` then; one given with other values than the embedding given beside it
     (or alone) would be dropped, so it is refused."""
     named = [(name, t.detach().to("cpu").contiguous() if to_cpu else t.detach()) for name, t in named_tensors]

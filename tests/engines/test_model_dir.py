@@ -104,13 +104,13 @@ def test_an_untied_copy_of_a_tied_model_gives_the_same_logits_with_an_lm_head_of
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from skyrl_core.engines.model_dir import ties_unembedding, untied_model_dir
+    from skyrl_core.engines.model_dir import checkpoint_ties_unembedding, untied_model_dir
     from skyrl_core.testing.engine_contract import TINY_LLAMA
 
     tied, _ = materialize_model(ModelConfig(config=dict(TINY_QWEN3)), seed=1, parent_dir=str(tmp_path))
-    assert ties_unembedding(tied)
+    assert checkpoint_ties_unembedding(tied)
     copy = untied_model_dir(tied, str(tmp_path / "untied"))
-    assert copy == str(tmp_path / "untied") and not ties_unembedding(copy)
+    assert copy == str(tmp_path / "untied") and not checkpoint_ties_unembedding(copy)
     assert os.path.islink(os.path.join(copy, "model-base.safetensors"))
     head = load_file(os.path.join(copy, "lm_head.safetensors"))["lm_head.weight"]
     embedding = load_file(os.path.join(tied, "model.safetensors"))["model.embed_tokens.weight"]

@@ -11,22 +11,6 @@ from safetensors.torch import load_file, save_file
 WEIGHTS_FILE = "model.safetensors"
 
 
-def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
-    """``{alias: canonical}`` for parameters reachable under several names (tied embeddings).
-
-    The canonical name is the first one ``named_parameters`` visits, which is the one transformers
-    keeps in its files (``model.embed_tokens.weight`` rather than ``lm_head.weight``).
-    """
-    first: dict[int, str] = {}
-    aliases: dict[str, str] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in first:
-            aliases[name] = first[id(param)]
-        else:
-            first[id(param)] = name
-    return aliases
-
-
 def write_hf_dir(path: str, state_dict: dict[str, torch.Tensor], hf_config: Any, aliases: dict[str, str], tokenizer: Any = None) -> None:
     """Write ``config.json``, ``model.safetensors`` (tied aliases left out, as transformers expects)
     and the tokenizer, when it can save itself, into the existing directory ``path``."""

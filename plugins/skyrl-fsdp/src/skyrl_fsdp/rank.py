@@ -39,7 +39,7 @@ from skyrl_core.backends.rank_setup import (
 from skyrl_core.config.schema import ModelConfig, TrainerConfig
 from skyrl_core.heap import keep_freed_memory
 from skyrl_core.interfaces import LossFn
-from skyrl_core.models import load_causal_lm, load_tokenizer
+from skyrl_core.models import load_causal_lm, load_tokenizer, tied_aliases
 from skyrl_core.ops.gemm_choice import linear_defaults
 from skyrl_core.rng_state import capture_rng_state, restore_rng_state
 from skyrl_core.state_file import load_state, save_state
@@ -54,7 +54,7 @@ from skyrl_core.ops.shared_prompts import (
 )
 from skyrl_core.types import OptimizerHyperparams, TrainingBatch
 from skyrl_fsdp.gathered import gathered_for_call
-from skyrl_fsdp.hf_io import read_hf_weights, tied_aliases, write_hf_dir
+from skyrl_fsdp.hf_io import read_hf_weights, write_hf_dir
 from skyrl_fsdp.lora import apply_lora, hf_state_dict, is_adapter_tensor, read_adapter, save_adapter
 from skyrl_fsdp.options import FSDPOptions
 from skyrl_core.lr_schedule import scheduled_lr

@@ -70,12 +70,12 @@ class SGLangEngine(PauseNotSupported):
         import sglang
 
         from skyrl_core.ops import prepare_model
-        from skyrl_core.engines.model_dir import checkpoint_shapes, materialize_model, ties_unembedding
+        from skyrl_core.engines.model_dir import checkpoint_shapes, materialize_model, checkpoint_ties_unembedding
 
         self.sglang_version = sglang.__version__
         model_dir, tokenizer_dir = materialize_model(model, seed=self.seed, parent_dir=self._workdir)
         self._weight_shapes = checkpoint_shapes(model_dir)
-        self._ties_unembedding = ties_unembedding(model_dir)
+        self._ties_unembedding = checkpoint_ties_unembedding(model_dir)
         kwargs: dict[str, Any] = {
             "model_path": model_dir,
             "tokenizer_path": tokenizer_dir or model_dir,

@@ -47,7 +47,7 @@ from skyrl_core.compute_share import trainer_computing
 from skyrl_core.engines.requests import check_request
 from skyrl_core.heap import keep_freed_memory, release_freed_memory
 from skyrl_core.lora import ties_unembedding
-from skyrl_core.models import load_causal_lm, load_tokenizer
+from skyrl_core.models import load_causal_lm, load_tokenizer, tied_aliases
 from skyrl_core.ops import prepare_model, site_scope, token_logprobs
 from skyrl_core.ops.onednn import computes as onednn_computes
 from skyrl_core.openmp_teams import release_thread_team
@@ -148,7 +148,7 @@ class TorchEngine:
         self._cache: SlotKVCache | None = None
         self._unseeded = itertools.count()
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
-        self._tied = _tied_aliases(self._params)  # second names of tied tensors
+        self._tied = tied_aliases(self.model)  # second names of tied tensors
         self._buffers = dict(self.model.named_buffers(remove_duplicate=False))
         self._closed = False
         self._unpacked_asleep = False  # sleep dropped the prepacked weight copies; wake renews them
@@ -297,7 +297,7 @@ class TorchEngine:
         own = torch.nn.Parameter(tensor.to(self._params[name].dtype).clone(), requires_grad=False)
         setattr(module, attribute, own)
         self._params[name] = own
-        self._tied = _tied_aliases(self._params)
+        self._tied = tied_aliases(self.model)
         config = self.model.config
         if getattr(config, "tie_word_embeddings", False):  # (so that nothing re-ties them later)
             config.tie_word_embeddings = False
@@ -779,14 +779,6 @@ class TorchEngine:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this TorchEngine is closed")
-
-
-def _tied_aliases(params: dict[str, torch.Tensor]) -> set[str]:
-    """The names in ``params`` (``named_parameters`` order) of a tensor that an earlier name holds
-    too: a tied ``lm_head.weight``, whose tensor is ``model.embed_tokens.weight``'s (the name a
-    checkpoint of the tied model keeps)."""
-    first: dict[int, str] = {}
-    return {name for name, p in params.items() if first.setdefault(id(p), name) != name}
 
 
 def _weights_per_token(model: torch.nn.Module) -> int:

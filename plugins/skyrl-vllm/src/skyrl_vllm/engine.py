@@ -18,7 +18,7 @@ import types
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from skyrl_core.engines.lifecycle import environ, running, temporary_workdir
-from skyrl_core.engines.model_dir import checked_weights, checkpoint_shapes, materialize_model, ties_unembedding, write_weights_file
+from skyrl_core.engines.model_dir import checked_weights, checkpoint_shapes, materialize_model, checkpoint_ties_unembedding, write_weights_file
 from skyrl_core.engines.requests import check_request
 from skyrl_vllm import bootstrap
 from skyrl_vllm.mapping import to_samples, to_vllm_sampling_params
@@ -162,7 +162,7 @@ class VLLMEngine:
         model_dir, tokenizer_dir = materialize_model(model, seed=self.seed, parent_dir=self._workdir)
         self._model_dir = model_dir
         self._weight_shapes = checkpoint_shapes(model_dir)
-        self._ties_unembedding = ties_unembedding(model_dir)
+        self._ties_unembedding = checkpoint_ties_unembedding(model_dir)
         kwargs = engine_kwargs(
             self.options, dtype=self.dtype, on_cpu=current_platform.is_cpu(), sleep_available=self.sleep_supported,
             model_dir=model_dir,

@@ -136,7 +136,7 @@ class OpenAIEngine(PauseNotSupported):
     def _launch(self, model: ModelConfig) -> None:
         from vllm.platforms import current_platform
 
-        from skyrl_core.engines.model_dir import checkpoint_shapes, materialize_model, ties_unembedding
+        from skyrl_core.engines.model_dir import checkpoint_shapes, materialize_model, checkpoint_ties_unembedding
         from skyrl_core.ports import on_a_free_port
         from skyrl_vllm.vllm_server import SERVED_MODEL_NAME, VLLMServer, serve_command
 
@@ -144,7 +144,7 @@ class OpenAIEngine(PauseNotSupported):
         self._workdir, self._remove_workdir = temporary_workdir(self, "skyrl-vllm-serve-")
         model_dir, tokenizer_dir = materialize_model(model, seed=self.seed, parent_dir=self._workdir)
         self._weight_shapes = checkpoint_shapes(model_dir)
-        self._ties_unembedding = ties_unembedding(model_dir)
+        self._ties_unembedding = checkpoint_ties_unembedding(model_dir)
         vopts = self.options.vllm
 
         def serve_on(port: int) -> VLLMServer:
